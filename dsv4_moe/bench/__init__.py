@@ -1,0 +1,1 @@
+"""Layer-level benchmark."""

@@ -1,0 +1,201 @@
+"""The package side of the benchmark: whole-layer paths and per-stage callables.
+
+    layer paths   "default"    DeepseekV4MoE.forward as dispatch chooses (best available)
+                  "unfused"    force_paths(swiglu_quant="unfused", finalize="unfused")
+                  "reference"  force_paths(every stage="reference")
+    stages        router       dispatch "router" path on x
+                  act_quant    dispatch "act_quant" path on x
+                  shared       layer.shared_experts.forward(x) (its own act_quant + 2 GEMMs + SwiGLU-quant)
+                  routed       act_quant + "routed_experts" + "finalize" with a zero shared output:
+                               the same work the routed peers do (GEMMs, SwiGLU, weighted combine)
+                  finalize     "finalize" on precomputed expert rows and shared output
+
+Everything the lead's modules provide is imported lazily and defensively, so a missing
+piece becomes a skipped row with the import error, not a crash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+from typing import Callable, Optional
+
+import torch
+
+from dsv4_moe import reference as R
+
+__all__ = ["LAYER_PATHS", "STAGES", "path_forces", "build_layer", "select_stage", "make_context", "single_rank_view"]
+
+LAYER_PATHS = ("default", "unfused", "reference")
+STAGES = ("router", "act_quant", "shared", "routed", "finalize")
+_ALL_STAGES = ("router", "act_quant", "fp8_gemm", "swiglu_quant", "routed_experts", "finalize")
+
+
+def path_forces(path: str) -> dict:
+    if path == "default":
+        return {}
+    if path == "unfused":
+        return {"swiglu_quant": "unfused", "finalize": "unfused"}
+    if path == "reference":
+        return {s: "reference" for s in _ALL_STAGES}
+    raise ValueError(f"path={path!r}: expected one of {LAYER_PATHS}")
+
+
+def force_context(path: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """A factory of `dsv4_moe.force_paths(**path_forces(path))` contexts (nullcontext for default)."""
+    forces = path_forces(path)
+    if not forces:
+        return contextlib.nullcontext
+    force_paths = _force_paths_fn()
+    return lambda: force_paths(**forces)
+
+
+def _force_paths_fn():
+    import dsv4_moe
+
+    fp = getattr(dsv4_moe, "force_paths", None)
+    if fp is None:
+        fp = importlib.import_module("dsv4_moe.dispatch").force_paths
+    return fp
+
+
+def single_rank_view(config, weights):
+    """(config, weights) describing one rank's work as a standalone layer.
+
+    One GPU runs one rank: the TP/EP all-reduce is left out (it would need a process
+    group). With TP the rank's layer is the same computation as a layer of intermediate
+    I/tp (the shared partial is added before the all-reduce, SPEC §4.5); with EP the
+    local expert range is kept, so non-local routes are skipped as on a real rank.
+    """
+    inter = weights.shared.intermediate
+    cfg = config if inter == config.moe_intermediate_size else config.replace(moe_intermediate_size=inter)
+    w = dataclasses.replace(weights, tp_rank=0, tp_size=1, ep_rank=0, ep_size=1)
+    return cfg, w
+
+
+def build_layer(config, weights):
+    """DeepseekV4MoE(config, weights); raises ImportError while dsv4_moe.layers is absent."""
+    layers = importlib.import_module("dsv4_moe.layers")
+    return layers.DeepseekV4MoE(config, weights)
+
+
+def make_context(weights, config, num_tokens: int, device: str):
+    """dispatch.DispatchContext filled from the fields this benchmark knows (by name)."""
+    d = importlib.import_module("dsv4_moe.dispatch")
+    cls = d.DispatchContext
+    known = {
+        "device": torch.device(device), "dtype": torch.bfloat16, "num_tokens": num_tokens,
+        "hidden": weights.routed.hidden, "intermediate": weights.routed.intermediate,
+        "num_experts": weights.routed.num_experts or config.n_routed_experts,
+        "top_k": config.num_experts_per_tok, "num_local_experts": weights.routed.num_local,
+        "num_local": weights.routed.num_local, "first_expert": weights.routed.first_expert,
+        "ep_size": weights.ep_size, "tp_size": weights.tp_size, "hash_layer": weights.router.is_hash,
+        "is_hash": weights.router.is_hash, "swiglu_limit": config.swiglu_limit,
+    }
+    if dataclasses.is_dataclass(cls):
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{k: v for k, v in known.items() if k in names})
+    import inspect
+
+    params = inspect.signature(cls).parameters
+    return cls(**{k: v for k, v in known.items() if k in params})
+
+
+def select_stage(stage: str, ctx) -> tuple[str, Callable]:
+    """(path name, implementation) that dispatch picks for `stage` under `ctx`."""
+    d = importlib.import_module("dsv4_moe.dispatch")
+    p = d.select(stage, ctx)
+    impl = p.impl
+    if not callable(impl):  # a lazily-imported implementation given as a loader
+        impl = impl()
+    return p.name, impl
+
+
+@dataclasses.dataclass
+class StageSet:
+    """Inputs of one rotated set for the stage callables (made once, outside timing)."""
+
+    x: torch.Tensor
+    input_ids: Optional[torch.Tensor]
+    topk_w: torch.Tensor
+    topk_ids: torch.Tensor
+    q: torch.Tensor = None
+    sa: torch.Tensor = None
+    y: torch.Tensor = None
+    shared_out: torch.Tensor = None
+    zeros: torch.Tensor = None
+
+
+def stage_callables(stage: str, layer, weights, config, ctx, s: StageSet) -> tuple[str, Callable]:
+    """(label, zero-arg callable) computing `stage` on one input set, via dispatch."""
+    limit = config.swiglu_limit
+    r = weights.routed
+    if stage == "router":
+        name, impl = select_stage("router", ctx)
+        rw = weights.router
+        return name, lambda: impl(s.x, rw, s.input_ids, config.num_experts_per_tok, config.routed_scaling_factor)
+    if stage == "act_quant":
+        name, impl = select_stage("act_quant", ctx)
+        return name, lambda: impl(s.x)
+    if stage == "shared":
+        mlp = layer.shared_experts
+        return "shared_experts.forward", lambda: mlp.forward(s.x)
+    if stage == "routed":
+        n_aq, aq = select_stage("act_quant", ctx)
+        n_re, re_ = select_stage("routed_experts", ctx)
+        n_fi, fi = select_stage("finalize", ctx)
+
+        def routed():
+            q, sa = aq(s.x)
+            y = re_(q, sa, s.topk_w, s.topk_ids, r, limit)
+            return fi(y, s.topk_ids, s.zeros, r.first_expert, r.num_local)
+
+        return f"act_quant={n_aq} routed_experts={n_re} finalize={n_fi}", routed
+    if stage == "finalize":
+        name, impl = select_stage("finalize", ctx)
+        return name, lambda: impl(s.y, s.topk_ids, s.shared_out, r.first_expert, r.num_local)
+    raise ValueError(f"stage={stage!r}: expected one of {STAGES}")
+
+
+def stage_reference(stage: str, weights, config, s: StageSet):
+    """The reference output a stage callable is checked against (same inputs)."""
+    limit = config.swiglu_limit
+    r = weights.routed
+    if stage == "router":
+        rw = weights.router
+        return R.route(s.x, rw.weight, rw.bias, rw.tid2eid, s.input_ids, config.num_experts_per_tok,
+                       config.routed_scaling_factor)
+    if stage == "act_quant":
+        return R.act_quant(s.x)
+    if stage == "shared":
+        return R.shared_forward(s.x, weights.shared, limit)
+    if stage == "routed":
+        q, sa = R.act_quant(s.x)
+        y = R.routed_forward(q, sa, s.topk_w, s.topk_ids, r, limit)
+        return R.finalize(y, s.topk_ids, r.first_expert, r.num_local).to(torch.bfloat16)
+    if stage == "finalize":
+        acc = R.finalize(s.y, s.topk_ids, r.first_expert, r.num_local)
+        return (acc + s.shared_out.float()).to(torch.bfloat16)
+    raise ValueError(f"stage={stage!r}: expected one of {STAGES}")
+
+
+def fill_stage_inputs(s: StageSet, weights, generator: torch.Generator) -> None:
+    """Inputs of the finalize stage: random expert rows y [T, k, H] bf16 (non-local slots 0, as
+    routed_experts leaves them) and a random shared output [T, H] bf16; finalize only sums, so
+    random rows measure it as well as real ones and cost no reference GEMMs at T = 8192."""
+    r = weights.routed
+    t, k = s.topk_ids.shape
+    h = s.x.shape[1]
+    y = torch.randn(t, k, h, device=s.x.device, generator=generator).to(torch.bfloat16)
+    local = R.local_mask(s.topk_ids, r.first_expert, r.num_local)
+    s.y = torch.where(local[..., None], y, torch.zeros_like(y))
+    s.shared_out = torch.randn(t, h, device=s.x.device, generator=generator).to(torch.bfloat16)
+    s.zeros = torch.zeros_like(s.x)
+
+
+def subset(s: StageSet, n: int) -> StageSet:
+    """The first n tokens of an input set (tokens are independent: checks run on a subset)."""
+    cut = lambda t: None if t is None else t[:n]  # noqa: E731
+    return StageSet(cut(s.x), cut(s.input_ids), cut(s.topk_w), cut(s.topk_ids), cut(s.q), cut(s.sa), cut(s.y),
+                    cut(s.shared_out), cut(s.zeros))

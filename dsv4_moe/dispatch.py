@@ -1,0 +1,312 @@
+"""The one dispatch module: for each stage of the layer, an ordered list of paths.
+
+A path is (name, predicate, implementation). The predicate takes a DispatchContext
+and returns (ok, reason); the first path whose predicate holds is chosen, unless
+`force_paths(stage=name)` forces one (a forced path whose predicate fails raises with
+the reason: forcing never falls back silently). `plan(ctx)` / `explain(ctx)` list the
+choice and every rejection. `DSV4_MOE_LOG_DISPATCH=1` prints each new choice to stderr.
+
+Hardware facts are the named predicates below (`has_cuda`, `has_fp8_mma`, ...), never
+version numbers scattered through the code. Implementations are imported lazily so
+that CPU-only installs never import triton.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+__all__ = [
+    "DispatchContext", "Path", "STAGES", "select", "plan", "explain", "force_paths",
+    "has_cuda", "has_fp8_mma", "has_triton", "is_gfx950",
+]
+
+
+# --------------------------------------------------------------------------- hardware facts
+@functools.lru_cache(maxsize=None)
+def has_triton() -> tuple[bool, str]:
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install raising something else
+        return False, f"triton not importable ({type(e).__name__}: {e})"
+    return True, "triton importable"
+
+
+def has_cuda(device: torch.device) -> tuple[bool, str]:
+    if device.type != "cuda":
+        return False, f"device is {device.type}, not cuda"
+    if torch.version.hip is not None:
+        return False, "ROCm build (CUDA kernels not validated on ROCm)"
+    return True, "cuda device"
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def has_fp8_mma(device: torch.device) -> tuple[bool, str]:
+    ok, why = has_cuda(device)
+    if not ok:
+        return ok, why
+    cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    if cap < (8, 9):
+        return False, f"compute capability {cap[0]}.{cap[1]} has no FP8 tensor cores (needs >= 8.9)"
+    return True, f"FP8 MMA on sm_{cap[0]}{cap[1]}"
+
+
+def is_gfx950(device: torch.device) -> tuple[bool, str]:
+    if device.type != "cuda" or torch.version.hip is None:
+        return False, "not a ROCm device"
+    arch = torch.cuda.get_device_properties(device).gcnArchName
+    return (arch.startswith("gfx950"), f"gcnArchName {arch}")
+
+
+# --------------------------------------------------------------------------- context
+@dataclass(frozen=True)
+class DispatchContext:
+    """What the predicates may look at. One per (layer, token count)."""
+
+    device: torch.device
+    dtype: torch.dtype = torch.bfloat16
+    num_tokens: int = 1
+    hidden: int = 4096
+    intermediate: int = 2048
+    num_experts: int = 256
+    num_local_experts: int = 256
+    top_k: int = 6
+    tp_size: int = 1
+    ep_size: int = 1
+    is_hash: bool = False
+    extra: tuple = field(default=())
+
+
+Predicate = Callable[[DispatchContext], "tuple[bool, str]"]
+
+
+@dataclass(frozen=True)
+class Path:
+    stage: str
+    name: str
+    predicate: Predicate
+    target: str  # "module:function", imported on first use
+
+    @property
+    def impl(self) -> Callable:
+        return _resolve(self.target)
+
+
+@functools.lru_cache(maxsize=None)
+def _resolve(target: str) -> Callable:
+    mod, fn = target.split(":")
+    return getattr(importlib.import_module(mod), fn)
+
+
+def _all(*preds: Predicate) -> Predicate:
+    def pred(ctx: DispatchContext) -> tuple[bool, str]:
+        reasons = []
+        for p in preds:
+            ok, why = p(ctx)
+            if not ok:
+                return False, why
+            reasons.append(why)
+        return True, "; ".join(reasons)
+    return pred
+
+
+def _always(ctx: DispatchContext) -> tuple[bool, str]:
+    return True, "plain torch, any device"
+
+
+def _cuda(ctx):
+    return has_cuda(ctx.device)
+
+
+def _triton(ctx):
+    return has_triton()
+
+
+def _fp8(ctx):
+    return has_fp8_mma(ctx.device)
+
+
+def _bf16(ctx):
+    if ctx.dtype != torch.bfloat16:
+        return False, f"activations are {ctx.dtype}, kernels take bfloat16"
+    return True, "bf16"
+
+
+def _module_predicate(target: str) -> Predicate:
+    """A predicate exported by a kernel module (`supported(ctx) -> (ok, reason)`), imported
+    lazily; a module that is not there (not yet built, or import fails) rejects with why."""
+
+    def pred(ctx: DispatchContext) -> tuple[bool, str]:
+        try:
+            fn = _resolve(target)
+        except Exception as e:
+            return False, f"{target} unavailable ({type(e).__name__}: {e})"
+        return fn(ctx)
+
+    return pred
+
+
+def _gpu(*more: Predicate) -> Predicate:
+    return _all(_cuda, _triton, _bf16, *more)
+
+
+_S = "dsv4_moe.stages:"
+
+
+def _stage_pred(name: str) -> Predicate:
+    return _module_predicate(_S + name)
+
+
+# Ordered preference per stage. The reference path exists for every stage and runs on CPU.
+# Implementations and shape predicates live in dsv4_moe.stages (adapters over kernels/).
+STAGES: dict[str, list[Path]] = {
+    "router": [
+        Path("router", "triton", _gpu(_stage_pred("router_triton_supported")), _S + "router_triton"),
+        Path("router", "reference", _always, _S + "router_reference"),
+    ],
+    "act_quant": [
+        Path("act_quant", "triton", _gpu(_stage_pred("act_quant_triton_supported")), _S + "act_quant_triton"),
+        Path("act_quant", "reference", _always, _S + "act_quant_reference"),
+    ],
+    "fp8_gemm": [
+        Path("fp8_gemm", "deep_gemm", _gpu(_fp8, _stage_pred("fp8_gemm_deep_gemm_supported")),
+             _S + "fp8_gemm_deep_gemm"),
+        Path("fp8_gemm", "scaled_mm", _gpu(_fp8, _stage_pred("fp8_gemm_scaled_mm_supported")),
+             _S + "fp8_gemm_scaled_mm"),
+        Path("fp8_gemm", "triton", _gpu(_fp8, _stage_pred("fp8_gemm_triton_supported")), _S + "fp8_gemm_triton"),
+        Path("fp8_gemm", "reference", _always, _S + "fp8_gemm_reference"),
+    ],
+    "swiglu_quant": [
+        Path("swiglu_quant", "fused", _gpu(_stage_pred("swiglu_quant_fused_supported")), _S + "swiglu_quant_fused"),
+        Path("swiglu_quant", "unfused", _gpu(_stage_pred("swiglu_quant_unfused_supported")),
+             _S + "swiglu_quant_unfused"),
+        Path("swiglu_quant", "reference", _always, _S + "swiglu_quant_reference"),
+    ],
+    "routed_experts": [
+        Path("routed_experts", "triton", _gpu(_fp8, _stage_pred("routed_experts_triton_supported")),
+             _S + "routed_experts_triton"),
+        Path("routed_experts", "reference", _always, _S + "routed_experts_reference"),
+    ],
+    "finalize": [
+        Path("finalize", "fused", _gpu(_stage_pred("finalize_fused_supported")), _S + "finalize_fused"),
+        Path("finalize", "unfused", _gpu(_stage_pred("finalize_unfused_supported")), _S + "finalize_unfused"),
+        Path("finalize", "reference", _always, _S + "finalize_reference"),
+    ],
+}
+
+
+# --------------------------------------------------------------------------- forcing
+_FORCED: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("dsv4_moe_forced", default={})
+
+
+@contextlib.contextmanager
+def force_paths(**paths: str):
+    """Force implementations per stage, e.g. `force_paths(finalize="unfused")`.
+
+    `force_paths(all="reference")` forces the reference path of every stage. Nested uses
+    combine, the innermost winning. Unknown stages or paths raise ValueError.
+    """
+    if "all" in paths:
+        name = paths.pop("all")
+        for stage in STAGES:
+            paths.setdefault(stage, name)
+    for stage, name in paths.items():
+        if stage not in STAGES:
+            raise ValueError(f"force_paths: unknown stage {stage!r}; stages are {sorted(STAGES)}")
+        names = [p.name for p in STAGES[stage]]
+        if name not in names:
+            raise ValueError(f"force_paths: stage {stage!r} has no path {name!r}; paths are {names}")
+    token = _FORCED.set({**_FORCED.get(), **paths})
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+def forced_paths() -> dict[str, str]:
+    return dict(_FORCED.get())
+
+
+# --------------------------------------------------------------------------- choosing
+@dataclass(frozen=True)
+class StagePlan:
+    stage: str
+    chosen: Path
+    forced: bool
+    reason: str
+    rejected: tuple[tuple[str, str], ...]  # (path name, reason)
+
+
+def _env_forced() -> dict[str, str]:
+    """DSV4_MOE_FORCE="stage=path,stage=path" (handy for A/B runs from a shell)."""
+    raw = os.environ.get("DSV4_MOE_FORCE", "").strip()
+    out: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in raw.split(","))):
+        if "=" not in item:
+            raise ValueError(f"DSV4_MOE_FORCE={raw!r}: expected 'stage=path,...'")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def plan_stage(stage: str, ctx: DispatchContext) -> StagePlan:
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; stages are {sorted(STAGES)}")
+    forced = {**_env_forced(), **_FORCED.get()}
+    want = forced.get(stage) or forced.get("all")
+    rejected = []
+    for path in STAGES[stage]:
+        if want is not None and path.name != want:
+            rejected.append((path.name, f"not the forced path {want!r}"))
+            continue
+        ok, why = path.predicate(ctx)
+        if ok:
+            return StagePlan(stage, path, want is not None, why, tuple(rejected))
+        if want is not None:
+            raise RuntimeError(f"stage {stage!r}: forced path {want!r} cannot run here: {why}")
+        rejected.append((path.name, why))
+    if want is not None:
+        raise ValueError(f"stage {stage!r} has no path {want!r}")
+    raise RuntimeError(f"stage {stage!r}: no path can run: {rejected}")  # reference always can
+
+
+_LOGGED: set = set()
+
+
+def select(stage: str, ctx: DispatchContext) -> Path:
+    p = plan_stage(stage, ctx)
+    if os.environ.get("DSV4_MOE_LOG_DISPATCH", "0") not in ("", "0"):
+        key = (stage, p.chosen.name, ctx)
+        if key not in _LOGGED:
+            _LOGGED.add(key)
+            print(f"[dsv4_moe] {stage}: {p.chosen.name} ({'forced' if p.forced else p.reason}) "
+                  f"T={ctx.num_tokens} device={ctx.device}", file=sys.stderr)
+    return p.chosen
+
+
+def plan(ctx: DispatchContext, stages: Optional[list[str]] = None) -> list[StagePlan]:
+    return [plan_stage(s, ctx) for s in (stages or list(STAGES))]
+
+
+def explain(ctx: DispatchContext, stages: Optional[list[str]] = None) -> str:
+    lines = [f"plan for T={ctx.num_tokens} on {ctx.device} (hidden {ctx.hidden}, intermediate {ctx.intermediate}, "
+             f"experts {ctx.num_local_experts}/{ctx.num_experts} local, top-{ctx.top_k}, tp {ctx.tp_size}, "
+             f"ep {ctx.ep_size}{', hash layer' if ctx.is_hash else ''}):"]
+    for p in plan(ctx, stages):
+        lines.append(f"  {p.stage:<15} -> {p.chosen.name:<10} "
+                     f"{'(forced)' if p.forced else '(' + p.reason + ')'}")
+        for name, why in p.rejected:
+            lines.append(f"  {'':<15}    not {name}: {why}")
+    return "\n".join(lines)

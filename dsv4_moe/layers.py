@@ -1,0 +1,226 @@
+"""The modules users import: DeepseekV4MLP (the shared expert) and DeepseekV4MoE
+(router + routed experts + shared expert + combine), and `load_moe_layer`.
+
+Layers hold the checkpoint's native tensors (FP8 shared expert, MXFP4 routed experts,
+see weights/tensors.py) as non-persistent buffers, so `.to(device)` moves them and
+nothing is dequantised. Each forward asks dispatch for one path per stage; the plan
+for a token count is `layer.explain(num_tokens)`.
+
+Data flow of DeepseekV4MoE.forward (x [T, H] bf16):
+
+    router          -> topk_weights f32 [T, k], topk_ids [T, k] (ascending per token)
+    act_quant(x)    -> q e4m3 [T, H], sa f32 [T, H/128]       (once, shared by all GEMMs)
+    shared expert   -> [T, H] bf16   (FP8 gate_up GEMM -> swiglu_quant -> FP8 down GEMM)
+    routed experts  -> y [T, k, H] bf16 (MXFP4 W4A8 grouped GEMMs, route weight before w2)
+    finalize        -> bf16(sum_k y (fp32, ascending id) [+ all_reduce] + shared)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import dispatch, stages
+from .config import MoEConfig
+from .dispatch import DispatchContext
+from .weights.tensors import MoELayerWeights, RoutedExpertWeights, RouterWeights, SharedExpertWeights
+
+__all__ = ["DeepseekV4MLP", "DeepseekV4MoE", "load_moe_layer"]
+
+
+def _check_hidden(name: str, x: torch.Tensor, hidden: int, device: torch.device) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(f"{name}.shape={tuple(x.shape)}: expected [num_tokens, {hidden}]")
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"{name}.dtype={x.dtype}: expected torch.bfloat16")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but the layer's weights are on {device}")
+
+
+class _NativeBuffers(nn.Module):
+    """Registers a weights dataclass's tensors as non-persistent buffers."""
+
+    def _register(self, prefix: str, obj) -> None:
+        for name, v in vars(obj).items():
+            if isinstance(v, torch.Tensor):
+                self.register_buffer(f"{prefix}{name}", v, persistent=False)
+
+    def _rebuild(self, cls, prefix: str, **extra):
+        kw = {}
+        for name in cls.__dataclass_fields__:
+            if name in extra:
+                kw[name] = extra[name]
+            else:
+                kw[name] = getattr(self, f"{prefix}{name}", None)
+        return cls(**kw)
+
+
+class DeepseekV4MLP(_NativeBuffers):
+    """The shared expert: FP8 (e4m3, 128x128 UE8M0 block scales) clamped-SwiGLU MLP.
+
+    forward(x [T, H] bf16) -> [T, H] bf16. With tp_size > 1 the weights hold this rank's
+    I/tp slice and the output is this rank's partial sum (DeepseekV4MoE reduces it).
+    """
+
+    def __init__(self, config: MoEConfig, weights: SharedExpertWeights, *, tp_size: int = 1):
+        super().__init__()
+        if weights.hidden != config.hidden_size:
+            raise ValueError(f"shared expert hidden {weights.hidden} != config.hidden_size {config.hidden_size}")
+        want_i = config.local_intermediate(tp_size)
+        if weights.intermediate != want_i:
+            raise ValueError(f"shared expert intermediate {weights.intermediate} != moe_intermediate_size/tp_size "
+                             f"= {want_i}")
+        self.config = config
+        self.tp_size = tp_size
+        self._register("w_", weights)
+
+    @property
+    def weights(self) -> SharedExpertWeights:
+        return self._rebuild(SharedExpertWeights, "w_")
+
+    @property
+    def device(self) -> torch.device:
+        return self.w_gate_up.device
+
+    def context(self, num_tokens: int) -> DispatchContext:
+        c = self.config
+        return DispatchContext(device=self.device, num_tokens=num_tokens, hidden=c.hidden_size,
+                               intermediate=c.local_intermediate(self.tp_size), num_experts=c.n_routed_experts,
+                               num_local_experts=0, top_k=c.num_experts_per_tok, tp_size=self.tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_hidden("x", x, self.config.hidden_size, self.device)
+        if x.shape[0] == 0:
+            return torch.empty_like(x)
+        ctx = self.context(x.shape[0])
+        q, sa = dispatch.select("act_quant", ctx).impl(x)
+        return self.forward_quantised(q, sa, ctx)
+
+    def forward_quantised(self, q: torch.Tensor, sa: torch.Tensor, ctx: DispatchContext) -> torch.Tensor:
+        """The expert on already-quantised rows (q, sa = act_quant(x)), so the MoE layer
+        quantises x once for the shared and the routed GEMMs."""
+        gemm = dispatch.select("fp8_gemm", ctx).impl
+        gu = gemm(q, sa, self.w_gate_up, self.w_gate_up_scale)
+        hq, hs = dispatch.select("swiglu_quant", ctx).impl(gu, self.config.swiglu_limit)
+        return gemm(hq, hs, self.w_down, self.w_down_scale)
+
+    def explain(self, num_tokens: int) -> str:
+        return dispatch.explain(self.context(num_tokens), ["act_quant", "fp8_gemm", "swiglu_quant"])
+
+
+class DeepseekV4MoE(_NativeBuffers):
+    """Router + MXFP4 routed experts + FP8 shared expert + combine (SPEC §4).
+
+    forward(hidden_states [T, H] bf16, input_ids [T] int64 | None) -> [T, H] bf16.
+    `input_ids` is required on hash layers. With tp_size or ep_size > 1 the partial
+    sums are all-reduced in fp32 over `group` (torch.distributed must be initialised).
+    """
+
+    def __init__(self, config: MoEConfig, weights: MoELayerWeights, *, group=None):
+        super().__init__()
+        config.check_parallel(tp_rank=weights.tp_rank, tp_size=weights.tp_size, ep_rank=weights.ep_rank,
+                              ep_size=weights.ep_size)
+        r = weights.routed
+        want = (config.n_routed_experts // weights.ep_size, 2 * config.local_intermediate(weights.tp_size),
+                config.hidden_size // 2)
+        if tuple(r.gate_up.shape) != want:
+            raise ValueError(f"routed gate_up.shape={tuple(r.gate_up.shape)}, expected {want} for this config "
+                             f"and tp_size={weights.tp_size}, ep_size={weights.ep_size}")
+        if tuple(weights.router.weight.shape) != (config.n_routed_experts, config.hidden_size):
+            raise ValueError(f"router weight shape {tuple(weights.router.weight.shape)} != "
+                             f"{(config.n_routed_experts, config.hidden_size)}")
+        self.config = config
+        self.layer_idx = weights.layer_idx
+        self.is_hash = weights.router.is_hash
+        self.tp_rank, self.tp_size = weights.tp_rank, weights.tp_size
+        self.ep_rank, self.ep_size = weights.ep_rank, weights.ep_size
+        self.first_expert = r.first_expert
+        self.num_local_experts = r.num_local
+        self.group = group
+        self._register("router_", weights.router)
+        self._register("routed_", r)
+        self.shared_experts = DeepseekV4MLP(config, weights.shared, tp_size=weights.tp_size)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def device(self) -> torch.device:
+        return self.router_weight.device
+
+    @property
+    def router(self) -> RouterWeights:
+        return self._rebuild(RouterWeights, "router_")
+
+    @property
+    def routed(self) -> RoutedExpertWeights:
+        return self._rebuild(RoutedExpertWeights, "routed_", first_expert=self.first_expert,
+                             num_experts=self.config.n_routed_experts)
+
+    @property
+    def weights(self) -> MoELayerWeights:
+        return MoELayerWeights(self.router, self.shared_experts.weights, self.routed, self.layer_idx,
+                               self.tp_rank, self.tp_size, self.ep_rank, self.ep_size)
+
+    def context(self, num_tokens: int) -> DispatchContext:
+        c = self.config
+        return DispatchContext(device=self.device, num_tokens=num_tokens, hidden=c.hidden_size,
+                               intermediate=c.local_intermediate(self.tp_size), num_experts=c.n_routed_experts,
+                               num_local_experts=self.num_local_experts, top_k=c.num_experts_per_tok,
+                               tp_size=self.tp_size, ep_size=self.ep_size, is_hash=self.is_hash)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, hidden_states: torch.Tensor, input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = hidden_states
+        _check_hidden("hidden_states", x, self.config.hidden_size, self.device)
+        if self.is_hash:
+            if input_ids is None:
+                raise ValueError(f"layer {self.layer_idx} is a hash-routed layer: input_ids [T] int64 is required")
+            if not isinstance(input_ids, torch.Tensor) or input_ids.shape != (x.shape[0],):
+                raise ValueError(f"input_ids.shape={tuple(getattr(input_ids, 'shape', ()))}: expected "
+                                 f"[{x.shape[0]}] (one id per token)")
+            if input_ids.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"input_ids.dtype={input_ids.dtype}: expected torch.int64 (or int32)")
+            if input_ids.device != x.device:
+                raise ValueError(f"input_ids is on {input_ids.device}, hidden_states on {x.device}")
+        t = x.shape[0]
+        if t == 0:
+            return torch.empty_like(x)
+        ctx = self.context(t)
+        c = self.config
+        topk_w, topk_ids = dispatch.select("router", ctx).impl(
+            x, self.router, input_ids, c.num_experts_per_tok, c.routed_scaling_factor)
+        q, sa = dispatch.select("act_quant", ctx).impl(x)
+        shared = self.shared_experts.forward_quantised(q, sa, ctx)
+        swiglu = dispatch.select("swiglu_quant", ctx).name
+        y = dispatch.select("routed_experts", ctx).impl(q, sa, topk_w, topk_ids, self.routed, c.swiglu_limit,
+                                                        swiglu)
+        fin = dispatch.select("finalize", ctx)
+        if self.tp_size == 1 and self.ep_size == 1:
+            return fin.impl(y, topk_ids, shared, self.first_expert, self.num_local_experts)
+        # Distributed: the fp32 partial crosses ranks before the single bf16 rounding (SPEC §4.5, §6).
+        partial = (stages.finalize_partial_reference if fin.name == "reference" else stages.finalize_partial_kernel)
+        acc = partial(y, topk_ids, self.first_expert, self.num_local_experts)
+        from .reference.moe import combine
+
+        return combine(acc, shared, self.weights, group=self.group)
+
+    def explain(self, num_tokens: int) -> str:
+        c = self.config
+        head = (f"DeepseekV4MoE layer {self.layer_idx} ({'hash' if self.is_hash else 'top-k'} routing), "
+                f"hidden {c.hidden_size}, intermediate {c.local_intermediate(self.tp_size)} per rank, "
+                f"experts {self.first_expert}..{self.first_expert + self.num_local_experts - 1} of "
+                f"{c.n_routed_experts}, top-{c.num_experts_per_tok}")
+        return head + "\n" + dispatch.explain(self.context(num_tokens))
+
+
+def load_moe_layer(checkpoint_dir, layer_idx: int, *, device="cpu", tp_rank: int = 0, tp_size: int = 1,
+                   ep_rank: int = 0, ep_size: int = 1, group=None, progress: Optional[bool] = None) -> DeepseekV4MoE:
+    """Load one MoE layer from official safetensors shards, reading only that layer's tensors."""
+    from .weights import load_layer_weights
+
+    config, weights = load_layer_weights(checkpoint_dir, layer_idx, device=device, tp_rank=tp_rank,
+                                         tp_size=tp_size, ep_rank=ep_rank, ep_size=ep_size, progress=progress)
+    return DeepseekV4MoE(config, weights, group=group)

@@ -1,0 +1,64 @@
+"""The router (SPEC §4.1): sqrt-softplus scores, biased top-k selection (or hash table),
+unbiased renormalised weights times routed_scaling_factor. All fp32.
+
+Conventions fixed here (DESIGN.md):
+* ids are returned sorted ascending per token, weights permuted with them, so the
+  combine's "ascending expert id" order is slot order.
+* the renormalisation sum runs left to right over the slots in that ascending-id order
+  (DeepSeek's code sums the k weights with torch's sum; the order of 6 fp32 adds is not
+  pinned there, so it is pinned here).
+* logits: bf16 x bf16 products are exact in fp32; the reference sums them in float64 and
+  rounds once (a correctly rounded fp32 logit); kernels may differ in summation order.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["route", "router_scores", "renormalise"]
+
+
+def router_scores(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """scores [T, E] fp32 = sqrt(softplus(x @ W^T)) (softplus beta 1, threshold 20)."""
+    logits = (x.double() @ weight.double().T).float()
+    return torch.sqrt(F.softplus(logits, beta=1.0, threshold=20.0))
+
+
+def renormalise(w: torch.Tensor, scale: float) -> torch.Tensor:
+    """w / (w[:, 0] + w[:, 1] + ...) * scale, summed left to right, no epsilon."""
+    total = w[:, 0].clone()
+    for j in range(1, w.shape[1]):
+        total = total + w[:, j]
+    return w / total[:, None] * scale
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], tid2eid: Optional[torch.Tensor],
+          input_ids: Optional[torch.Tensor], top_k: int, routed_scaling_factor: float
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Args:
+        x                [T, H]        bfloat16 (float32/64 accepted for the unquantised mode)
+        weight           [E, H]        bfloat16 gate weight
+        bias             [E]           float32 selection bias (non-hash layers) or None
+        tid2eid          [vocab, k]    int64 hash table (hash layers) or None
+        input_ids        [T]           int64 token ids (hash layers) or None
+    Returns:
+        topk_weights     [T, k]        float32
+        topk_ids         [T, k]        int64, ascending per token
+    """
+    if (tid2eid is None) == (bias is None):
+        raise ValueError("route: exactly one of bias (non-hash layer) and tid2eid (hash layer) must be given")
+    scores = router_scores(x, weight)
+    if tid2eid is not None:
+        if input_ids is None:
+            raise ValueError("route: this is a hash layer; input_ids [T] int64 is required")
+        if input_ids.shape != (x.shape[0],):
+            raise ValueError(f"route: input_ids.shape={tuple(input_ids.shape)}, expected {(x.shape[0],)}")
+        ids = tid2eid[input_ids.long()].long()
+    else:
+        ids = torch.topk(scores + bias.float(), top_k, dim=-1).indices
+    ids, _ = torch.sort(ids, dim=-1, stable=True)
+    w = scores.gather(1, ids)
+    return renormalise(w, routed_scaling_factor), ids

@@ -1,0 +1,179 @@
+"""Test and benchmark helpers: synthetic layers in the native formats, comparison
+helpers that point at the bad element, and the one tolerance table.
+
+`random_layer_weights` builds a MoELayerWeights directly on any device (fast at full
+size: random e2m1 codes and realistic e8m0 scales, FP8 weights from N(0, 0.02) with
+UE8M0 block scales), without going through the safetensors writer. Checkpoint-format
+tests use `dsv4_moe.weights.write_checkpoint` instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from dsv4_moe.config import FP8_BLOCK, MoEConfig
+from dsv4_moe.weights.formats import E4M3_MAX, as_uint8, ue8m0_scale
+from dsv4_moe.weights.tensors import MoELayerWeights, RoutedExpertWeights, RouterWeights, SharedExpertWeights
+
+__all__ = [
+    "random_layer_weights", "random_fp8_block_weight", "random_mxfp4_weight",
+    "Tolerance", "TOLERANCES", "assert_bitwise_equal", "bf16_diff_stats", "assert_bf16_close",
+]
+
+
+# --------------------------------------------------------------------------- synthetic weights
+def random_fp8_block_weight(n: int, k: int, *, generator: torch.Generator, device="cpu",
+                            std: float = 0.02) -> tuple[torch.Tensor, torch.Tensor]:
+    """N(0, std) weights quantised to e4m3 with one UE8M0 scale per 128x128 block."""
+    w = torch.randn(n, k, generator=generator, device="cpu").mul_(std).to(device)
+    nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+    wp = torch.nn.functional.pad(w, (0, kb * FP8_BLOCK - k, 0, nb * FP8_BLOCK - n))
+    amax = wp.view(nb, FP8_BLOCK, kb, FP8_BLOCK).abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    s = ue8m0_scale(amax, E4M3_MAX)
+    s_full = s.repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+    q = torch.clamp(w / s_full, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    s8 = ((s.view(torch.int32) >> 23) & 0xFF).to(torch.uint8).view(torch.float8_e8m0fnu)
+    return q, s8
+
+
+def random_mxfp4_weight(shape_nk: tuple[int, ...], *, generator: torch.Generator, device="cpu",
+                        scale_range: tuple[int, int] = (118, 123)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random e2m1 codes (packed, [..., N, K/2] uint8) and e8m0 scales ([..., N, K/32]).
+
+    Scale bytes 118..123 give 2^-9 .. 2^-4: with e2m1 magnitudes up to 6 that is weights
+    of roughly N(0, 0.02) size, like a real checkpoint's.
+    """
+    *lead, n, k = shape_nk
+    packed = torch.randint(0, 256, (*lead, n, k // 2), generator=generator, dtype=torch.uint8).to(device)
+    lo, hi = scale_range
+    scale = torch.randint(lo, hi + 1, (*lead, n, k // 32), generator=generator, dtype=torch.uint8)
+    return packed, scale.to(device).view(torch.float8_e8m0fnu)
+
+
+def random_layer_weights(config: MoEConfig, *, layer_idx: int = 0, seed: int = 0, device="cpu",
+                         tp_size: int = 1, tp_rank: int = 0, ep_size: int = 1, ep_rank: int = 0,
+                         hash_layer: Optional[bool] = None) -> MoELayerWeights:
+    """A synthetic layer with this rank's shapes (I/tp per rank, E/ep local experts)."""
+    config.check_parallel(tp_rank=tp_rank, tp_size=tp_size, ep_rank=ep_rank, ep_size=ep_size)
+    g = torch.Generator().manual_seed(seed)
+    h, e, k = config.hidden_size, config.n_routed_experts, config.num_experts_per_tok
+    i = config.local_intermediate(tp_size)
+    is_hash = config.is_hash_layer(layer_idx) if hash_layer is None else hash_layer
+    router_w = (torch.randn(e, h, generator=g) * 0.02).to(torch.bfloat16).to(device)
+    if is_hash:
+        tid2eid = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(config.vocab_size)]).to(device)
+        router = RouterWeights(router_w, None, tid2eid)
+    else:
+        router = RouterWeights(router_w, (torch.randn(e, generator=g) * 0.01).to(device), None)
+    gu, gus = random_fp8_block_weight(2 * i, h, generator=g, device=device)
+    dn, dns = random_fp8_block_weight(h, i, generator=g, device=device)
+    shared = SharedExpertWeights(gu, gus, dn, dns)
+    experts = config.local_experts(ep_rank, ep_size)
+    rgu, rgus = random_mxfp4_weight((len(experts), 2 * i, h), generator=g, device=device)
+    rdn, rdns = random_mxfp4_weight((len(experts), h, i), generator=g, device=device)
+    routed = RoutedExpertWeights(rgu, rgus, rdn, rdns, first_expert=experts.start, num_experts=e)
+    return MoELayerWeights(router, shared, routed, layer_idx=layer_idx, tp_rank=tp_rank, tp_size=tp_size,
+                           ep_rank=ep_rank, ep_size=ep_size)
+
+
+# --------------------------------------------------------------------------- comparisons
+@dataclass(frozen=True)
+class Tolerance:
+    """How far a result may be from the reference, for one recipe.
+
+    max_mismatch_frac  fraction of bf16 elements allowed to differ at all
+    max_ulp            the largest allowed difference, in bf16 ulps of the reference value
+    max_rel_l2         ||out - ref|| / ||ref||
+    """
+
+    max_mismatch_frac: float
+    max_ulp: int
+    max_rel_l2: float
+
+
+# NOTE: one table keyed by recipe (STYLE rule 3). The GEMM entries allow only the
+# in-block fp32 summation-order freedom of SPEC §4.3: a last-bit flip of an fp32 partial
+# moves a bf16 output by at most 1 ulp, and only near a rounding tie. A wrong scale
+# exponent moves every element by a factor of 2 (>= 128 ulps), a missing clamp or a
+# swapped w1/w3 changes most elements: none of them fits in these bounds.
+TOLERANCES: dict[str, Tolerance] = {
+    "bitwise": Tolerance(0.0, 0, 0.0),
+    "fp8_gemm": Tolerance(0.02, 1, 1e-3),
+    "fp4_gemm": Tolerance(0.02, 1, 1e-3),
+    # a layer output passes through two GEMMs, a requantisation and the combine: a 1-ulp
+    # flip in the first GEMM can move an FP8 code of the activation, which moves the
+    # output by a few ulps; still far from a factor-of-2 scale error.
+    "layer": Tolerance(0.10, 8, 1e-2),
+    "router_weights": Tolerance(0.0, 0, 1e-6),
+    "unquantised_oracle": Tolerance(1.0, 1 << 30, 1e-5),
+}
+
+
+def _first_mismatch(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> str:
+    idx = tuple(int(i) for i in torch.nonzero(mask)[0])
+    av, bv = a[idx], b[idx]
+    ab = as_uint8(av.reshape(1)) if av.element_size() == 1 else av.reshape(1).view(torch.uint8)
+    bb = as_uint8(bv.reshape(1)) if bv.element_size() == 1 else bv.reshape(1).view(torch.uint8)
+    return (f"first mismatch at {idx}: got {av.float().item()!r} (bytes {ab.tolist()}) "
+            f"expected {bv.float().item()!r} (bytes {bb.tolist()})")
+
+
+def assert_bitwise_equal(got: torch.Tensor, expected: torch.Tensor, what: str = "", **case) -> None:
+    """Raw-byte equality; on failure name the first differing coordinate, both values and
+    bytes, the count of mismatches and the case parameters."""
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        raise AssertionError(f"{what}: shape/dtype {tuple(got.shape)}/{got.dtype} != "
+                             f"{tuple(expected.shape)}/{expected.dtype} {case}")
+    if got.numel() == 0:
+        return
+    g, e = got.detach().cpu().contiguous(), expected.detach().cpu().contiguous()
+    gb = g.view(torch.uint8).view(*g.shape, g.element_size())
+    eb = e.view(torch.uint8).view(*e.shape, e.element_size())
+    mask = (gb != eb).any(dim=-1)
+    n = int(mask.sum())
+    if n:
+        raise AssertionError(f"{what}: {n}/{mask.numel()} elements differ; {_first_mismatch(g, e, mask)} {case}")
+
+
+def bf16_diff_stats(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    """Mismatch fraction, max difference in bf16 ulps of the reference, relative L2."""
+    g, r = got.detach().float().cpu(), ref.detach().float().cpu()
+    both_nan = torch.isnan(g) & torch.isnan(r)
+    diff = torch.where(both_nan, torch.zeros_like(g), (g - r).abs())
+    # bf16 ulp of r: 2^(exponent(r) - 7); for r = 0 use the smallest normal's ulp.
+    _, ex = torch.frexp(r.abs().clamp(min=2.0 ** -126))
+    ulp = torch.ldexp(torch.ones_like(r), ex - 8)
+    ulps = (diff / ulp)
+    ulps = torch.where(torch.isnan(ulps), torch.full_like(ulps, float("inf")), ulps)
+    mism = (g.view(-1) != r.view(-1)) & ~both_nan.view(-1)
+    denom = r.norm().item()
+    return {
+        "mismatch_frac": mism.float().mean().item() if mism.numel() else 0.0,
+        "max_ulp": ulps.max().item() if ulps.numel() else 0.0,
+        "rel_l2": ((g - r).nan_to_num().norm().item() / denom) if denom else float((g - r).norm().item()),
+        "max_abs": diff.max().item() if diff.numel() else 0.0,
+    }
+
+
+def assert_bf16_close(got: torch.Tensor, ref: torch.Tensor, recipe: str, what: str = "", **case) -> dict:
+    """Check `got` against `ref` under TOLERANCES[recipe]; return the stats."""
+    tol = TOLERANCES[recipe]
+    if got.shape != ref.shape:
+        raise AssertionError(f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)} {case}")
+    st = bf16_diff_stats(got, ref)
+    bad = []
+    if st["mismatch_frac"] > tol.max_mismatch_frac:
+        bad.append(f"mismatch_frac {st['mismatch_frac']:.4g} > {tol.max_mismatch_frac}")
+    if st["max_ulp"] > tol.max_ulp:
+        bad.append(f"max_ulp {st['max_ulp']:.4g} > {tol.max_ulp}")
+    if st["rel_l2"] > tol.max_rel_l2:
+        bad.append(f"rel_l2 {st['rel_l2']:.3g} > {tol.max_rel_l2}")
+    if bad:
+        g, r = got.detach().float().cpu(), ref.detach().float().cpu()
+        mask = (g != r) & ~(torch.isnan(g) & torch.isnan(r))
+        where = _first_mismatch(g, r, mask) if mask.any() else ""
+        raise AssertionError(f"{what} [{recipe}]: {'; '.join(bad)}; {where} stats={st} {case}")
+    return st
