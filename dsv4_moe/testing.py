@@ -108,6 +108,11 @@ TOLERANCES: dict[str, Tolerance] = {
     # output by a few ulps; still far from a factor-of-2 scale error.
     "layer": Tolerance(0.10, 8, 1e-2),
     "router_weights": Tolerance(0.0, 0, 1e-6),
+    # TP: every rank rounds its partial down-GEMM output to bf16 before the fp32 reduce,
+    # so each partial carries up to 2^-9 relative error and cancellation between ranks
+    # magnifies it in ulps of the small results; rel L2 stays ~3e-3. A wrong slice
+    # (shifted rows, mismatched scale blocks) gives errors of order 1.
+    "tp_vs_single_rank": Tolerance(1.0, 1 << 30, 1e-2),
     "unquantised_oracle": Tolerance(1.0, 1 << 30, 1e-5),
 }
 

@@ -1,0 +1,89 @@
+"""Expert and tensor parallelism across 2 CPU ranks (gloo): each rank's layer holds its
+slice; the all-reduced fp32 result matches the single-rank layer up to the
+association of the fp32 partial sums (SPEC §6)."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dsv4_moe import DeepseekV4MoE, MoEConfig, reference
+from dsv4_moe.testing import assert_bf16_close
+
+CFG = MoEConfig(hidden_size=256, moe_intermediate_size=256, n_routed_experts=8, num_experts_per_tok=4,
+                num_hidden_layers=2, num_hash_layers=1, vocab_size=64)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _slice_full(full, cfg, *, tp_rank=0, tp_size=1, ep_rank=0, ep_size=1):
+    """This rank's view of a full single-rank layer, by the checkpoint slicing rules."""
+    from dsv4_moe.weights.tensors import MoELayerWeights, RoutedExpertWeights, SharedExpertWeights
+
+    i, it = cfg.moe_intermediate_size, cfg.moe_intermediate_size // tp_size
+    s, r = full.shared, full.routed
+    rows = torch.cat([torch.arange(tp_rank * it, (tp_rank + 1) * it), i + torch.arange(tp_rank * it, (tp_rank + 1) * it)])
+    srows = torch.cat([torch.arange(tp_rank * it // 128, (tp_rank + 1) * it // 128),
+                       i // 128 + torch.arange(tp_rank * it // 128, (tp_rank + 1) * it // 128)])
+    shared = SharedExpertWeights(s.gate_up[rows], s.gate_up_scale[srows],
+                                 s.down[:, tp_rank * it:(tp_rank + 1) * it].contiguous(),
+                                 s.down_scale[:, tp_rank * it // 128:(tp_rank + 1) * it // 128].contiguous())
+    el = cfg.n_routed_experts // ep_size
+    es = slice(ep_rank * el, (ep_rank + 1) * el)
+    routed = RoutedExpertWeights(r.gate_up[es][:, rows].contiguous(), r.gate_up_scale[es][:, rows].contiguous(),
+                                 r.down[es][:, :, tp_rank * it // 2:(tp_rank + 1) * it // 2].contiguous(),
+                                 r.down_scale[es][:, :, tp_rank * it // 32:(tp_rank + 1) * it // 32].contiguous(),
+                                 first_expert=ep_rank * el, num_experts=cfg.n_routed_experts)
+    return MoELayerWeights(full.router, shared, routed, full.layer_idx, tp_rank, tp_size, ep_rank, ep_size)
+
+
+def _worker(rank, world, port, mode, layer_idx, q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from dsv4_moe.testing import random_layer_weights
+
+        full = random_layer_weights(CFG, layer_idx=layer_idx, seed=11)
+        kw = dict(tp_rank=rank, tp_size=world) if mode == "tp" else dict(ep_rank=rank, ep_size=world)
+        layer = DeepseekV4MoE(CFG, _slice_full(full, CFG, **kw))
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(6, CFG.hidden_size, generator=g).to(torch.bfloat16)
+        ids = torch.randint(0, CFG.vocab_size, (6,), generator=g)
+        out = layer(x, ids)
+        if rank == 0:
+            ref = reference.moe_forward(x, ids, full, CFG)
+            # numpy copies pickle by value (torch tensors would be shared-memory handles
+            # that die with this process)
+            q.put(("ok", out.float().numpy(), ref.float().numpy()))
+    except Exception as e:  # report to the parent instead of hanging it
+        q.put(("error", repr(e), None))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ep", "tp"])
+def test_two_ranks_match_single_rank(mode):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, mode, 1, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    status, out, ref = q.get(timeout=300)
+    for p in procs:
+        p.join(timeout=60)
+    assert status == "ok", out
+    out, ref = torch.from_numpy(out).to(torch.bfloat16), torch.from_numpy(ref).to(torch.bfloat16)
+    # EP: partial sums associate differently (p0 + p1 vs one left-to-right sum);
+    # TP: each rank's down GEMM output is rounded to bf16 before the reduce.
+    assert_bf16_close(out, ref, "layer" if mode == "ep" else "tp_vs_single_rank", f"{mode}2 vs single rank")
+    assert not torch.equal(out, torch.zeros_like(out))

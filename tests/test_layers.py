@@ -1,0 +1,143 @@
+"""Layer API: shapes, dtypes, errors naming the bad value, zero tokens, dispatch and
+the CLI's main job on the embedded default."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dsv4_moe import DeepseekV4MLP, DeepseekV4MoE, MoEConfig, dispatch, force_paths, load_moe_layer, reference
+from dsv4_moe.dispatch import DispatchContext
+from dsv4_moe.testing import assert_bitwise_equal, random_layer_weights
+
+CFG = MoEConfig.tiny()
+
+
+@pytest.fixture(scope="module")
+def layers():
+    return {li: DeepseekV4MoE(CFG, random_layer_weights(CFG, layer_idx=li, seed=li)) for li in (0, 1)}
+
+
+def _x(t, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(t, CFG.hidden_size, generator=g).to(torch.bfloat16), torch.randint(0, CFG.vocab_size, (t,), generator=g)
+
+
+@pytest.mark.parametrize("li", [0, 1], ids=["hash_layer", "topk_layer"])
+@pytest.mark.parametrize("t", [1, 7])
+def test_forward_equals_reference(layers, li, t):
+    x, ids = _x(t, seed=t)
+    out = layers[li](x, ids)
+    assert out.shape == (t, CFG.hidden_size) and out.dtype == torch.bfloat16
+    ref = reference.moe_forward(x, ids, layers[li].weights, CFG)
+    assert_bitwise_equal(out, ref, "layer vs reference on CPU", layer=li, t=t)
+
+
+def test_shared_expert_module(layers):
+    x, _ = _x(3)
+    mlp = layers[1].shared_experts
+    assert isinstance(mlp, DeepseekV4MLP)
+    out = mlp(x)
+    assert_bitwise_equal(out, reference.shared_forward(x, mlp.weights, CFG.swiglu_limit), "shared expert")
+
+
+def test_hash_layer_requires_input_ids(layers):
+    x, _ = _x(2)
+    with pytest.raises(ValueError, match="hash-routed layer: input_ids"):
+        layers[0](x)
+    with pytest.raises(ValueError, match=r"input_ids.shape=\(3,\)"):
+        layers[0](x, torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="input_ids.dtype=torch.float32"):
+        layers[0](x, torch.zeros(2))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda x: x.float(), "hidden_states.dtype=torch.float32"),
+    (lambda x: x[None], r"hidden_states.shape=\(1, 2, 512\)"),
+    (lambda x: x[:, :100], r"hidden_states.shape=\(2, 100\)"),
+    (lambda x: x.tolist(), "must be a torch.Tensor"),
+])
+def test_bad_inputs_name_the_argument(layers, bad, match):
+    x, ids = _x(2)
+    with pytest.raises((ValueError, TypeError), match=match):
+        layers[1](bad(x), ids)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to put the input elsewhere")
+def test_wrong_device(layers):
+    x, ids = _x(2)
+    with pytest.raises(ValueError, match="on cuda"):
+        layers[1](x.cuda(), ids)
+
+
+def test_wrong_device_meta(layers):
+    x, ids = _x(2)
+    with pytest.raises(ValueError, match="is on meta but the layer's weights are on cpu"):
+        layers[1](x.to("meta"), ids)
+
+
+def test_zero_tokens(layers):
+    x = torch.empty(0, CFG.hidden_size, dtype=torch.bfloat16)
+    for li in (0, 1):
+        out = layers[li](x, torch.empty(0, dtype=torch.int64))
+        assert out.shape == (0, CFG.hidden_size) and out.dtype == torch.bfloat16
+    assert layers[1].shared_experts(x).shape == (0, CFG.hidden_size)
+
+
+def test_weights_mismatch_rejected():
+    w = random_layer_weights(CFG, layer_idx=1)
+    with pytest.raises(ValueError, match="routed gate_up.shape"):
+        DeepseekV4MoE(CFG.replace(moe_intermediate_size=256), w)
+
+
+# --------------------------------------------------------------------------- dispatch
+def test_explain_names_every_stage_and_reason(layers):
+    text = layers[1].explain(16)
+    for stage in dispatch.STAGES:
+        assert stage in text
+    assert "not triton: device is cpu, not cuda" in text
+
+
+def test_force_paths_validates_and_fails_closed():
+    with pytest.raises(ValueError, match="unknown stage 'nope'"):
+        with force_paths(nope="reference"):
+            pass
+    with pytest.raises(ValueError, match="has no path 'magic'"):
+        with force_paths(finalize="magic"):
+            pass
+    ctx = DispatchContext(device=torch.device("cpu"))
+    with force_paths(finalize="fused"):
+        with pytest.raises(RuntimeError, match="forced path 'fused' cannot run here: device is cpu"):
+            dispatch.select("finalize", ctx)
+    with force_paths(all="reference"):
+        assert all(p.chosen.name == "reference" and p.forced for p in dispatch.plan(ctx))
+
+
+def test_log_dispatch_env(monkeypatch, capsys):
+    monkeypatch.setenv("DSV4_MOE_LOG_DISPATCH", "1")
+    dispatch.select("router", DispatchContext(device=torch.device("cpu"), num_tokens=12345))
+    assert "router: reference" in capsys.readouterr().err
+
+
+def test_env_force(monkeypatch):
+    monkeypatch.setenv("DSV4_MOE_FORCE", "finalize=reference")
+    p = dispatch.plan_stage("finalize", DispatchContext(device=torch.device("cpu")))
+    assert p.forced and p.chosen.name == "reference"
+
+
+# --------------------------------------------------------------------------- CLI / loading
+def test_load_default_and_run_cli():
+    from dsv4_moe.weights.default import DEFAULT_CHECKPOINT_DIR
+
+    layer = load_moe_layer(DEFAULT_CHECKPOINT_DIR, 0)
+    assert layer.is_hash and layer.config == CFG
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-m", "dsv4_moe", "run", "--tokens", "4"], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "layer 0:" in r.stdout and "layer 1:" in r.stdout and "finite=True" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "dsv4_moe", "explain", "--layer", "1", "--tokens", "8"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and "finalize" in r.stdout, r.stderr

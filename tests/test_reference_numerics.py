@@ -1,0 +1,175 @@
+"""Reference quantisers and GEMMs against hand-worked golden cases (bit-exact), and the
+GEMMs against an independent dequantise-then-matmul computation."""
+
+import pytest
+import torch
+
+from dsv4_moe import reference as R
+from dsv4_moe.reference.quant import scale_to_e8m0_bits
+from dsv4_moe.testing import assert_bitwise_equal, random_fp8_block_weight, random_mxfp4_weight
+from dsv4_moe.weights.formats import (dequant_fp8_block, dequant_mxfp4, e2m1_codes_to_float, e8m0_to_float32,
+                                      pack_e2m1, unpack_e2m1)
+
+
+def _row(values, k=128):
+    x = torch.zeros(1, k, dtype=torch.float32)
+    x[0, : len(values)] = torch.tensor(values, dtype=torch.float32)
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("amax,scale", [(448.0, 1.0), (450.0, 2.0), (224.0, 0.5), (448.0 * 2 ** -10, 2 ** -10),
+                                        (1.0, 2 ** -8), (0.0, 2.0 ** -22)],
+                         ids=["exact_448", "just_above", "half", "pow2_small", "one", "all_zero_floor"])
+def test_act_quant_scale_boundaries(amax, scale):
+    q, s = R.act_quant(_row([amax]))
+    assert s.dtype == torch.float32 and s.shape == (1, 1)
+    assert s.item() == scale, (amax, s.item(), scale)
+
+
+def test_act_quant_floor_is_1e4():
+    # amax below the floor gets the floor's scale: 2^ceil(log2(1e-4 / 448)) = 2^-22
+    _, s = R.act_quant(_row([1e-6]))
+    assert s.item() == 2.0 ** -22
+
+
+def test_act_quant_ties_round_to_even_and_saturation():
+    # s = 1 (amax 448): e4m3 spacing in [16, 32) is 2, so 17 and 19 are ties -> 16 and 20;
+    # in [256, 448] spacing is 32: 272 is a tie between 256 and 288 -> 256 (even mantissa).
+    q, s = R.act_quant(_row([448.0, 17.0, 19.0, -17.0, 272.0, -448.0, 0.5, 0.001953125]))
+    assert s.item() == 1.0
+    got = q.float()[0, :8].tolist()
+    assert got == [448.0, 16.0, 20.0, -16.0, 256.0, -448.0, 0.5, 0.001953125]
+
+
+def test_act_quant_groups_and_partial_last_group():
+    x = torch.zeros(2, 300)
+    x[0, 0] = 448.0        # group 0 of row 0: s = 1
+    x[0, 130] = 896.0      # group 1: s = 2
+    x[0, 299] = 1.0        # group 2 (44 wide): s = 2^-8
+    x[1, 5] = -3.5         # row 1 group 0: 3.5/448 = 2^-7 exactly -> s = 2^-7
+    q, s = R.act_quant(x.to(torch.bfloat16))
+    assert s.shape == (2, 3)
+    assert s[0].tolist() == [1.0, 2.0, 2.0 ** -8]
+    assert s[1, 0].item() == 2.0 ** -7
+    assert q.float()[0, 130].item() == 448.0 and q.float()[0, 299].item() == 256.0
+    assert q.float()[1, 5].item() == -448.0
+
+
+def test_act_quant_nan_inf():
+    x = _row([1.0, float("nan"), 2.0])
+    q, s = R.act_quant(x)
+    assert s.item() == 2.0 ** -7  # NaN ignored in amax (fmaxf semantics): amax = 2
+    assert torch.isnan(q.float()[0, 1]) and q.float()[0, 2].item() == 256.0
+    x = _row([1.0, float("inf")])
+    q, s = R.act_quant(x)
+    assert s.item() == float("inf")  # the group's scale is inf: the e8m0 byte is 0xFF (NaN)
+    assert scale_to_e8m0_bits(s).view(torch.uint8).item() == 255
+
+
+def test_e2m1_all_codes_and_nibble_order():
+    assert e2m1_codes_to_float(torch.arange(16, dtype=torch.uint8)).tolist() == [
+        0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    # byte 0x71: low nibble 1 (0.5) is k = 0, high nibble 7 (6.0) is k = 1
+    assert unpack_e2m1(torch.tensor([[0x71]], dtype=torch.uint8)).tolist() == [[1, 7]]
+    codes = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
+    assert torch.equal(unpack_e2m1(pack_e2m1(codes)), codes)
+
+
+def test_e8m0_bytes():
+    b = torch.tensor([0, 1, 126, 127, 128, 254, 255], dtype=torch.uint8)
+    v = e8m0_to_float32(b)
+    assert v[:6].tolist() == [2.0 ** -127, 2.0 ** -126, 0.5, 1.0, 2.0, 2.0 ** 127]
+    assert torch.isnan(v[6])
+    # torch's own e8m0 dtype agrees on the normal range
+    assert torch.equal(b[1:6].view(torch.float8_e8m0fnu).float(), v[1:6])
+
+
+def test_fp8_gemm_hand_case():
+    # q = 1 everywhere, w = 2 everywhere, K = 256 (two blocks) with different scales per block
+    q = torch.ones(2, 256).to(torch.float8_e4m3fn)
+    w = torch.full((3, 256), 2.0).to(torch.float8_e4m3fn)
+    sa = torch.tensor([[1.0, 0.5], [2.0, 1.0]])
+    sw = torch.tensor([[1.0, 4.0]])
+    out = R.fp8_gemm(q, sa, w, sw)
+    # row 0: 128*2*1*1 + 128*2*0.5*4 = 256 + 512; row 1: 512 + 1024
+    assert out.float().tolist() == [[768.0] * 3, [1536.0] * 3]
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_fp8_gemm_matches_dequantised_matmul():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 384, generator=g).to(torch.bfloat16)
+    q, sa = R.act_quant(x)
+    w, sw = random_fp8_block_weight(200, 384, generator=g)  # N not a multiple of 128
+    out = R.fp8_gemm(q, sa, w, sw)
+    xq = q.double() * sa.double().repeat_interleave(128, 1)
+    ref = xq @ dequant_fp8_block(w, sw).double().T
+    assert _rel(out, ref) < 4e-3  # bf16 output rounding only
+    # a wrong scale (one block's exponent off by one) is caught by the same bound
+    sw_bad = sw.view(torch.uint8).clone(); sw_bad[0, 1] += 1
+    bad = R.fp8_gemm(q, sa, w, sw_bad.view(torch.float8_e8m0fnu))
+    assert _rel(bad, ref) > 4e-2
+
+
+def test_fp4_gemm_matches_dequantised_matmul():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 256, generator=g).to(torch.bfloat16)
+    q, sa = R.act_quant(x)
+    w4, sw = random_mxfp4_weight((96, 256), generator=g)
+    out = R.fp4_gemm(q, sa, w4, sw)
+    xq = q.double() * sa.double().repeat_interleave(128, 1)
+    ref = xq @ dequant_mxfp4(w4, sw).double().T
+    assert _rel(out, ref) < 4e-3
+    # swapped nibble order is caught
+    b = w4.view(torch.uint8)
+    swapped = ((b >> 4) | (b << 4)).to(torch.uint8)
+    assert _rel(R.fp4_gemm(q, sa, swapped, sw), ref) > 0.3
+
+
+def test_swiglu_clamp_is_one_sided_on_gate():
+    gu = torch.tensor([[-30.0, 30.0, 5.0, 5.0], [20.0, -20.0, 3.0, 3.0]]).to(torch.bfloat16)  # I = 2
+    h = R.swiglu(gu, 10.0)
+    # gate -30 is NOT clamped from below: silu(-30) * 5 (tiny, negative); gate 30 -> 10
+    g = torch.tensor([[-30.0, 10.0], [10.0, -20.0]])
+    u = torch.tensor([[5.0, 5.0], [3.0, 3.0]])
+    assert torch.equal(h, torch.nn.functional.silu(g) * u)
+    # up is clamped on both sides
+    h2 = R.swiglu(torch.tensor([[1.0, 1.0, 50.0, -50.0]]).to(torch.bfloat16), 10.0)
+    s1 = torch.nn.functional.silu(torch.tensor(1.0))
+    assert torch.equal(h2, torch.stack([s1 * 10, s1 * -10])[None])
+
+
+def test_swiglu_route_weight_before_rounding():
+    gu = torch.randn(4, 256).to(torch.bfloat16)
+    w = torch.tensor([0.5, 1.5, 2.0, 0.1])
+    assert torch.equal(R.swiglu(gu, 10.0, w), R.swiglu(gu, 10.0) * w[:, None])
+
+
+def test_route_topk_and_hash():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    w = (torch.randn(16, 64, generator=g) * 0.1).to(torch.bfloat16)
+    bias = torch.zeros(16); bias[3] = 100.0  # expert 3 always selected, with its UNBIASED score
+    tw, ids = R.route(x, w, bias, None, None, 4, 2.5)
+    assert (ids == 3).any(dim=1).all()
+    assert torch.equal(ids, ids.sort(dim=1).values)
+    scores = torch.sqrt(torch.nn.functional.softplus((x.double() @ w.double().T).float()))
+    expect = scores.gather(1, ids)
+    expect = expect / expect.sum(1, keepdim=True) * 2.5
+    torch.testing.assert_close(tw, expect, rtol=1e-6, atol=0)
+    tid2eid = torch.randint(0, 16, (32, 4), generator=g)
+    ids_in = torch.tensor([0, 5, 31, 5, 2])
+    _, hids = R.route(x, w, None, tid2eid, ids_in, 4, 1.5)
+    assert torch.equal(hids, tid2eid[ids_in].sort(dim=1).values)
+    with pytest.raises(ValueError, match="input_ids"):
+        R.route(x, w, None, tid2eid, None, 4, 1.5)
+
+
+def test_finalize_order_and_locality():
+    y = torch.tensor([[[1.0, 2.0]], [[1e-3, 0.0]], [[-1.0, 5.0]]]).permute(1, 0, 2).to(torch.bfloat16)  # [T=1,k=3,H=2]
+    ids = torch.tensor([[0, 4, 9]])
+    acc = R.finalize(y, ids, first_expert=0, num_local=8)  # expert 9 is not local
+    assert acc.tolist() == [[1.0 + float(torch.tensor(1e-3).to(torch.bfloat16)), 2.0]]
