@@ -1,2 +1,46 @@
-"""dsv4_moe.kernels — GPU kernels (Triton). Import-guarded: importing this package never
-requires triton; each op module imports triton lazily."""
+"""dsv4_moe.kernels — Triton kernels for the DeepSeek-V4 MoE layer.
+
+Importing this package never imports triton: each name below is loaded from its op
+module on first access. One op per module, a public wrapper (`<op>.py`) that checks
+arguments and a private body (`_<op>.py`) with the @triton.jit kernels.
+
+    act_quant            1x128 UE8M0 FP8 activation quantisation            act_quant.py
+    swiglu_quant         fused clamped SwiGLU (+route weight) + FP8 quant   swiglu_quant.py
+    swiglu_quant_unfused its bitwise twin (bf16 activation materialised)    swiglu_quant.py
+    fp8_block_gemm_nt    FP8 1x128 x 128x128 block-scaled GEMM, bf16 out     fp8_block_gemm.py
+    fp8_scaled_mm_nt     the same through torch's blockwise scaled_mm       scaled_mm_fp8.py
+    fp8_deep_gemm_nt     the same through deep_gemm (when importable)       deep_gemm_fp8.py
+    route_topk           router: sqrt-softplus, biased top-k / hash, renorm router.py
+    moe_align            (token, slot) pairs grouped by expert, padded      moe_align.py
+    mxfp4_grouped_gemm   MXFP4 W4A8 grouped GEMM (e2m1 -> e4m3 in registers) mxfp4_grouped_gemm.py
+    routed_experts_forward  align -> gate_up -> swiglu_quant -> down          routed_experts.py
+    finalize_shared_add  fused top-k reduce (ascending id) + shared add     finalize.py
+    finalize_unfused     its bitwise two-kernel twin                        finalize.py
+"""
+
+import importlib
+
+_EXPORTS = {
+    "act_quant": "act_quant",
+    "swiglu_quant": "swiglu_quant", "swiglu_quant_unfused": "swiglu_quant", "choose_strategy": "swiglu_quant",
+    "fp8_block_gemm_nt": "fp8_block_gemm", "choose_config": "fp8_block_gemm",
+    "fp8_scaled_mm_nt": "scaled_mm_fp8", "prepare_weight_scale": "scaled_mm_fp8",
+    "scaled_mm_supported": "scaled_mm_fp8",
+    "fp8_deep_gemm_nt": "deep_gemm_fp8", "deep_gemm_supported": "deep_gemm_fp8",
+    "route_topk": "router", "router_logits": "router",
+    "moe_align": "moe_align", "MoeAlignment": "moe_align", "align_sizes": "moe_align",
+    "mxfp4_grouped_gemm": "mxfp4_grouped_gemm", "GemmConfig": "mxfp4_grouped_gemm",
+    "select_config": "mxfp4_grouped_gemm",
+    "finalize_shared_add": "finalize", "finalize_unfused": "finalize", "finalize_partial": "finalize",
+    "add_shared_round": "finalize",
+    "routed_experts_forward": "routed_experts", "routed_configs": "routed_experts",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'dsv4_moe.kernels' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{mod}"), name)

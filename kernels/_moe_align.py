@@ -1,0 +1,117 @@
+"""Triton bodies of `moe_align`: a deterministic counting sort of routes by local expert.
+
+Three launches, no host sync, sizes fixed by shapes only (CUDA-graph capturable):
+
+1. `_align_count_kernel`   grid (C,)   C = cdiv(R, BLOCK) chunks of routes.
+   Per chunk: the local expert key of each route (-1 if not local), its rank among the
+   chunk's earlier routes with the same key (a BLOCK x BLOCK compare), and the chunk's
+   per-expert histogram chunk_counts[c, :].
+2. `_align_scan_kernel`    grid (1,).
+   Per expert tile: exclusive prefix over chunks (chunk_base[c, e]) with one 2-D
+   cumsum, expert totals, padded sizes cdiv(count, BLOCK_M) * BLOCK_M and their
+   exclusive prefix over experts (expert_offsets), carried across tiles; the total
+   padded rows / BLOCK_M is the number of valid M-blocks.
+3. `_align_scatter_kernel` grid (max(C, cdiv(max_blocks, BB)),).
+   Routes: row = expert_offsets[e] + chunk_base[c, e] + rank, so rows of one expert
+   keep route order (token-major) — the permutation is deterministic; per row also the
+   local expert and (optionally) the route weight, for the filtered SwiGLU. Blocks: the
+   expert of each M-block (-1 past the valid ones) and, in every row that holds no route
+   (expert padding and whole unused blocks), the sentinel R, expert -1 and weight 0.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _local_key(ids_ptr, r, in_r, first_expert, num_local):
+    e = tl.load(ids_ptr + r, mask=in_r, other=-1).to(tl.int32) - first_expert
+    local = in_r & (e >= 0) & (e < num_local)
+    return tl.where(local, e, -1), local
+
+
+@triton.jit
+def _align_count_kernel(ids_ptr, rank_ptr, chunk_counts_ptr, R, first_expert, num_local,
+                        BLOCK: tl.constexpr, E_PAD: tl.constexpr, E_TILE: tl.constexpr):
+    c = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
+    r = c * BLOCK + i
+    in_r = r < R
+    key, local = _local_key(ids_ptr, r, in_r, first_expert, num_local)
+    same = (key[:, None] == key[None, :]) & (i[None, :] < i[:, None]) & local[None, :]
+    tl.store(rank_ptr + r, tl.sum(same.to(tl.int32), axis=1), mask=in_r)
+    for e0 in tl.static_range(0, E_PAD, E_TILE):
+        ecol = e0 + tl.arange(0, E_TILE)
+        cnt = tl.sum((key[:, None] == ecol[None, :]).to(tl.int32), axis=0)
+        tl.store(chunk_counts_ptr + c * E_PAD + ecol, cnt)
+
+
+@triton.jit
+def _align_scan_kernel(chunk_counts_ptr, chunk_base_ptr, expert_counts_ptr, expert_offsets_ptr,
+                       num_blocks_ptr, C, num_local,
+                       BLOCK_M: tl.constexpr, C_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                       E_TILE: tl.constexpr):
+    cc = tl.arange(0, C_PAD)
+    carry = tl.zeros([1], tl.int32)
+    for e0 in range(0, E_PAD, E_TILE):
+        ecol = e0 + tl.arange(0, E_TILE)
+        m = cc[:, None] < C
+        idx = cc[:, None] * E_PAD + ecol[None, :]
+        cnt = tl.load(chunk_counts_ptr + idx, mask=m, other=0)
+        tl.store(chunk_base_ptr + idx, tl.cumsum(cnt, axis=0) - cnt, mask=m)
+        is_e = ecol < num_local
+        tot = tl.where(is_e, tl.sum(cnt, axis=0), 0)
+        padded = (tot + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        incl = tl.cumsum(padded, axis=0) + carry
+        tl.store(expert_offsets_ptr + ecol, incl - padded, mask=is_e)
+        tl.store(expert_counts_ptr + ecol, tot, mask=is_e)
+        carry += tl.sum(padded, axis=0)
+    one = tl.arange(0, 1)
+    tl.store(expert_offsets_ptr + num_local + one, carry)
+    tl.store(num_blocks_ptr + one, carry // BLOCK_M)
+
+
+@triton.jit
+def _align_scatter_kernel(ids_ptr, route_rows_ptr, chunk_base_ptr, expert_counts_ptr,
+                          expert_offsets_ptr, num_blocks_ptr, sorted_ids_ptr, block_expert_ptr,
+                          row_expert_ptr, topk_w_ptr, row_weight_ptr,
+                          R, first_expert, num_local, C, max_blocks,
+                          HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BB: tl.constexpr,
+                          E_PAD: tl.constexpr):
+    pid = tl.program_id(0)
+    # ---- routes of chunk pid -> their rows
+    r = pid * BLOCK + tl.arange(0, BLOCK)
+    in_r = (r < R) & (pid < C)
+    key, local = _local_key(ids_ptr, r, in_r, first_expert, num_local)
+    rank = tl.load(route_rows_ptr + r, mask=local, other=0)
+    base = tl.load(chunk_base_ptr + pid * E_PAD + key, mask=local, other=0)
+    off = tl.load(expert_offsets_ptr + key, mask=local, other=0)
+    dest = off + base + rank
+    tl.store(sorted_ids_ptr + dest, r, mask=local)
+    tl.store(row_expert_ptr + dest, key, mask=local)
+    if HAS_WEIGHTS:
+        tl.store(row_weight_ptr + dest, tl.load(topk_w_ptr + r, mask=local, other=0.0), mask=local)
+    tl.store(route_rows_ptr + r, tl.where(local, dest, -1), mask=in_r)
+    # ---- M-blocks pid*BB .. : expert id and sentinel rows
+    b = pid * BB + tl.arange(0, BB)
+    in_b = b < max_blocks
+    nvb = tl.load(num_blocks_ptr)
+    ecol = tl.arange(0, E_PAD)
+    is_e = ecol < num_local
+    offs = tl.load(expert_offsets_ptr + ecol, mask=is_e, other=0)
+    # expert holding row b*BLOCK_M = last expert whose start <= that row (empty experts
+    # share their start with the next one, so "last" skips them)
+    row0 = b * BLOCK_M
+    ex = tl.sum(((offs[None, :] <= row0[:, None]) & is_e[None, :]).to(tl.int32), axis=1) - 1
+    valid_b = in_b & (b < nvb)
+    ex = tl.where(valid_b, ex, -1)
+    tl.store(block_expert_ptr + b, ex, mask=in_b)
+    cnt = tl.load(expert_counts_ptr + ex, mask=valid_b, other=0)
+    start = tl.load(expert_offsets_ptr + ex, mask=valid_b, other=0)
+    rows = row0[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    pad = (rows >= (start + cnt)[:, None]) | (~valid_b)[:, None]
+    pad = pad & in_b[:, None]
+    tl.store(sorted_ids_ptr + rows, tl.full([BB, BLOCK_M], 0, tl.int32) + R, mask=pad)
+    tl.store(row_expert_ptr + rows, tl.full([BB, BLOCK_M], -1, tl.int32), mask=pad)
+    if HAS_WEIGHTS:
+        tl.store(row_weight_ptr + rows, tl.zeros([BB, BLOCK_M], tl.float32), mask=pad)

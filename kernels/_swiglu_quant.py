@@ -1,0 +1,133 @@
+"""Triton bodies of the fused clamped-SwiGLU + FP8 quant (SPEC §5.1).
+
+Per [R, 128] tile (R rows, one quant group g of the I output columns):
+
+    g = min(gate, L)            NaN propagates; NO lower clamp on the gate
+    u = clamp(up, -L, L)
+    h = g / (1 + exp(-g)) * u   fp32; exp is libdevice expf, the division IEEE (div_rn):
+                                the same formula and rounding as torch's CUDA F.silu
+    h = h * w[row]              optional routing weight (fp32)
+    hb = bf16(h)                RNE, kept in registers (never written)
+    q, s = quant_group_tile(hb) the act_quant group step, shared code
+
+Two launch strategies (seed 002):
+* `group`:      grid (M_S, G), one program per quant group, 1 warp. Lowest latency for
+                launch-bound decode (every program is independent, no loop overhead).
+* `persistent`: grid min(tiles, PERSISTENT_PROGRAMS_PER_SM * SMs) programs looping
+                over [BLOCK_M, 128] tiles; wide rows per program give 16-byte loads and
+                amortise the per-row id/weight loads; skipped rows cost one id load.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from ._triton_utils import interpreting, quant_group_tile, round_to_bf16
+
+# NOTE: 4 resident programs per SM of 4 warps each keep ~16 warps/SM of loads in flight,
+# enough to saturate HBM on H200 for a streaming kernel; re-tune with
+# scripts/bench_swiglu_quant.py --strategy persistent.
+PERSISTENT_PROGRAMS_PER_SM = 4
+PERSISTENT_BLOCK_M = 16
+
+
+@triton.jit
+def _swiglu_quant_tile(
+    gu_ptr, q_ptr, s_ptr, rw_ptr, ids_ptr, map_ptr,
+    rows, g, M, M_S, I, limit,
+    stride_gm, stride_qm, stride_sm, stride_sg,
+    SCALE_FMT: tl.constexpr, HAS_RW: tl.constexpr, HAS_IDS: tl.constexpr, HAS_MAP: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+):
+    in_m = rows < M
+    ok = in_m
+    if HAS_IDS:
+        eid = tl.load(ids_ptr + rows, mask=in_m, other=-1)
+        ok = ok & (eid >= 0)
+        if HAS_MAP:
+            loc = tl.load(map_ptr + eid, mask=ok, other=-1)
+            ok = ok & (loc >= 0)
+    cols = g * 128 + tl.arange(0, 128)
+    mask = ok[:, None] & (cols < I)[None, :]
+    base = gu_ptr + rows[:, None] * stride_gm + cols[None, :]
+    gate = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(base + I, mask=mask, other=0.0).to(tl.float32)
+    up = tl.clamp(up, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
+    gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+    if USE_LIBDEVICE:
+        e = libdevice.exp(-gate)
+    else:  # interpreter: numpy exp (libdevice is not interpreted)
+        e = tl.exp(-gate)
+    h = tl.math.div_rn(gate, 1.0 + e) * up
+    if HAS_RW:
+        w = tl.load(rw_ptr + rows, mask=ok, other=0.0)
+        h = h * w[:, None]
+    hb = round_to_bf16(h, not USE_LIBDEVICE)
+    hb = tl.where(mask, hb, 0.0)
+    q, s_store = quant_group_tile(hb, SCALE_FMT, not USE_LIBDEVICE)
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
+    # Rows M..M_S-1 (padded column-major scales) write the scale of an all-zero group.
+    s_mask = ok | ((rows >= M) & (rows < M_S))
+    tl.store(s_ptr + rows * stride_sm + g * stride_sg, s_store, mask=s_mask)
+
+
+@triton.jit
+def _swiglu_quant_group_kernel(
+    gu_ptr, q_ptr, s_ptr, rw_ptr, ids_ptr, map_ptr,
+    M, M_S, I, limit,
+    stride_gm, stride_qm, stride_sm, stride_sg,
+    SCALE_FMT: tl.constexpr, HAS_RW: tl.constexpr, HAS_IDS: tl.constexpr, HAS_MAP: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    rows = row + tl.arange(0, 1)
+    _swiglu_quant_tile(gu_ptr, q_ptr, s_ptr, rw_ptr, ids_ptr, map_ptr, rows, g, M, M_S, I, limit,
+                       stride_gm, stride_qm, stride_sm, stride_sg,
+                       SCALE_FMT, HAS_RW, HAS_IDS, HAS_MAP, USE_LIBDEVICE)
+
+
+@triton.jit
+def _swiglu_quant_persistent_kernel(
+    gu_ptr, q_ptr, s_ptr, rw_ptr, ids_ptr, map_ptr,
+    M, M_S, I, limit, G, num_tiles,
+    stride_gm, stride_qm, stride_sm, stride_sg,
+    SCALE_FMT: tl.constexpr, HAS_RW: tl.constexpr, HAS_IDS: tl.constexpr, HAS_MAP: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    for tile in range(pid, num_tiles, nprog):
+        # Group-major inside a row block: consecutive programs read adjacent columns of
+        # the same rows, so the gate and up halves stream through L2 together.
+        rb = tile // G
+        g = tile % G
+        rows = (rb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        _swiglu_quant_tile(gu_ptr, q_ptr, s_ptr, rw_ptr, ids_ptr, map_ptr, rows, g, M, M_S, I, limit,
+                           stride_gm, stride_qm, stride_sm, stride_sg,
+                           SCALE_FMT, HAS_RW, HAS_IDS, HAS_MAP, USE_LIBDEVICE)
+
+
+def launch_swiglu_quant(gate_up, q_u8, s, rw, ids, emap, m_s: int, limit: float,
+                        scale_fmt_code: int, strategy: str, num_sms: int) -> None:
+    m = gate_up.shape[0]
+    i = gate_up.shape[1] // 2
+    g = triton.cdiv(i, 128)
+    dummy = gate_up  # never dereferenced when the matching HAS_* flag is False
+    args = (gate_up, q_u8, s, rw if rw is not None else dummy, ids if ids is not None else dummy,
+            emap if emap is not None else dummy)
+    flags = dict(SCALE_FMT=scale_fmt_code, HAS_RW=rw is not None, HAS_IDS=ids is not None,
+                 HAS_MAP=emap is not None, USE_LIBDEVICE=not interpreting())
+    strides = (gate_up.stride(0), q_u8.stride(0), s.stride(0), s.stride(1))
+    if strategy == "group":
+        _swiglu_quant_group_kernel[(m_s, g)](*args, m, m_s, i, float(limit), *strides, **flags, num_warps=1)
+    elif strategy == "persistent":
+        bm = PERSISTENT_BLOCK_M
+        num_tiles = triton.cdiv(m_s, bm) * g
+        nprog = max(1, min(num_tiles, PERSISTENT_PROGRAMS_PER_SM * num_sms))
+        _swiglu_quant_persistent_kernel[(nprog,)](*args, m, m_s, i, float(limit), g, num_tiles, *strides,
+                                                  **flags, BLOCK_M=bm, num_warps=4)
+    else:
+        raise ValueError(f"swiglu_quant: strategy={strategy!r}, expected 'group' or 'persistent'")

@@ -1,0 +1,126 @@
+"""Shared Triton helpers for the FP8 activation quantisers (act_quant, swiglu_quant).
+
+Both quantisers end in the same per-128-column group step (SPEC §4.2); keeping it in one
+`@triton.jit` function is what makes the fused SwiGLU-quant and the unfused
+"torch ops + act_quant" twin bitwise equal by construction.
+
+Numerics, and why each choice:
+* amax ignores NaN (like CUDA's fmaxf and the reference `group_amax`), floor 1e-4.
+* The UE8M0 scale is built on the bits of the fp32 quotient amax / 448 (exponent field,
+  +1 when the mantissa is non-zero), never with log2: log2/exp2 are approximate on GPUs.
+* Every division uses `div_rn` (IEEE round-to-nearest), not Triton's default `/`, so it
+  matches torch's `/` bit for bit (matters for the non-power-of-two "amax" scales).
+* The clamp propagates NaN (torch.clamp does); the e4m3 code of a NaN is written
+  explicitly as 0x7F | sign, the byte torch's cast produces, instead of trusting the
+  hardware convert (always 0x7F) or the interpreter (wrong, SPEC §7).
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+__all__ = [
+    "SCALE_FMT_FP32", "SCALE_FMT_E8M0", "SCALE_FMT_FP32_CM", "SCALE_FMT_AMAX", "SCALE_FMTS",
+    "QUANT_BLOCK", "E4M3_MAX", "AMAX_FLOOR", "interpreting", "quant_group_tile", "ue8m0_from_amax",
+    "round_to_bf16", "cast_e4m3_bytes",
+]
+
+# NOTE: integer codes are constexpr kernel arguments; fp32 and fp32_cm compute the same
+# values and differ only in the strides the wrapper passes.
+SCALE_FMT_FP32 = 0     # fp32 power of two (UE8M0 value), row-major [M, G]
+SCALE_FMT_E8M0 = 1     # the UE8M0 exponent byte, torch.float8_e8m0fnu [M, G]
+SCALE_FMT_FP32_CM = 2  # fp32 power of two, column-major [M_pad4, G] strides (1, M_pad4)
+SCALE_FMT_AMAX = 3     # plain fp32 amax / 448 (not a power of two), row-major [M, G]
+SCALE_FMTS = {"fp32": SCALE_FMT_FP32, "e8m0": SCALE_FMT_E8M0, "fp32_cm": SCALE_FMT_FP32_CM,
+              "amax": SCALE_FMT_AMAX}
+
+QUANT_BLOCK = 128
+E4M3_MAX = 448.0
+AMAX_FLOOR = 1e-4
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (CPU); kernels then avoid libdevice calls, which the
+    interpreter does not implement."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def ue8m0_from_amax(amax):
+    """fp32 amax (> 0, NaN-free) -> (2^ceil(log2(amax/448)) as fp32, its exponent byte int32).
+
+    amax = +inf gives (inf, 255), as the reference's bit manipulation does.
+    """
+    r = tl.math.div_rn(amax, 448.0)
+    bits = r.to(tl.int32, bitcast=True)
+    exp = (bits >> 23) & 0xFF
+    exp = exp + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    s = (exp << 23).to(tl.float32, bitcast=True)
+    return s, exp
+
+
+@triton.jit
+def round_to_bf16(x, SOFTWARE: tl.constexpr):
+    """fp32 -> the fp32 value of bf16(x), round-to-nearest-even.
+
+    SOFTWARE=True (interpreter only): the Triton 3.6 interpreter truncates fp32 -> bf16,
+    so the RNE is done on the bits (add 0x7FFF + lsb, drop 16 bits; NaN kept quiet).
+    On the GPU the hardware cvt.rn.bf16.f32 is used.
+    """
+    if SOFTWARE:
+        b = x.to(tl.uint32, bitcast=True)
+        r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+        r = tl.where(x != x, ((b >> 16) | 0x40) << 16, r)
+        return r.to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def cast_e4m3_bytes(y, SOFTWARE: tl.constexpr):
+    """fp32 y, already clamped to [-448, 448] (or NaN) -> e4m3 bytes (uint8), RNE.
+
+    SOFTWARE=True (interpreter only, whose fp8 cast is wrong, SPEC §7): RNE on the bits.
+    Subnormals (|y| < 2^-6) round y * 512 to an integer with the 2^23 magic number;
+    normals round the fp32 mantissa to 3 bits (add 0x7FFFF + lsb, shift by 20) and
+    re-bias the exponent (127 -> 7). On the GPU: cvt.rn.satfinite.e4m3x2.f32.
+    NaN -> 0x7F | sign in both modes (torch's byte; the hardware always gives 0x7F).
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    sign = ((bits >> 24) & 0x80).to(tl.uint8)
+    if SOFTWARE:
+        a = tl.abs(y)
+        sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+        ab = a.to(tl.int32, bitcast=True)
+        nrm = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - (120 << 3)
+        q = (tl.where(a < 0.015625, sub, nrm).to(tl.uint8)) | sign
+    else:
+        q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return tl.where(y != y, sign | 0x7F, q)
+
+
+@triton.jit
+def quant_group_tile(x, SCALE_FMT: tl.constexpr, SOFTWARE: tl.constexpr):
+    """Quantise a [R, 128] fp32 tile (exact bf16 values; masked entries must be 0.0).
+
+    Returns (q_bytes uint8 [R, 128], s_store [R]) where s_store is the value to write in
+    the requested scale format (fp32, or uint8 e8m0 bytes).
+    """
+    a = tl.abs(x)
+    a = tl.where(a != a, 0.0, a)  # NaN ignored in amax (reference group_amax)
+    amax = tl.maximum(tl.max(a, axis=1), 1e-4)
+    if SCALE_FMT == 3:
+        s = tl.math.div_rn(amax, 448.0)
+        s_store = s
+    else:
+        s, e = ue8m0_from_amax(amax)
+        if SCALE_FMT == 1:
+            s_store = e.to(tl.uint8)
+        else:
+            s_store = s
+    y = tl.math.div_rn(x, s[:, None])
+    y = tl.clamp(y, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    return cast_e4m3_bytes(y, SOFTWARE), s_store

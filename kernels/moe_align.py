@@ -1,0 +1,130 @@
+"""Token permutation for the grouped expert GEMMs: routes grouped by local expert.
+
+    topk_ids          [T, k]  int32 / int64   global expert id of each route (route r = t*k + slot)
+    ->  MoeAlignment
+    sorted_route_ids  [max_rows]        int32  route id held by each GEMM row; R = T*k marks a
+                                               row that holds no route (padding / unused block)
+    block_expert      [max_blocks]      int32  local expert of each BLOCK_M-row block, -1 past
+                                               the valid blocks
+    num_valid_blocks  [1]               int32  device scalar: blocks to run
+    expert_offsets    [E_local + 1]     int32  first row of each local expert (prefix sums of
+                                               the padded histogram); [E_local] = rows used
+    expert_counts     [E_local]         int32  routes per local expert (the histogram)
+    route_rows        [R]               int32  inverse: row of each route, -1 if not local
+    row_expert        [max_rows]        int32  local expert of each row, -1 for rows without a route
+    row_weight        [max_rows]        f32    topk_weights of each row's route (0 on padding);
+                                               only when `topk_weights` [T, k] f32 is passed
+
+Routes to experts outside [first_expert, first_expert + num_local) (other EP ranks) are
+left out. Rows of one expert are contiguous, in route order, padded to a multiple of
+BLOCK_M; experts are in ascending id. Everything is sized from shapes alone:
+max_blocks = min(R, cdiv(R, BLOCK_M) + min(E_local, R)) (each non-empty expert wastes
+less than one block, and every valid block holds at least one route), max_rows =
+max_blocks * BLOCK_M, so the call never syncs and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MoeAlignment", "moe_align", "align_sizes"]
+
+_BLOCK = 64    # routes per chunk: the rank compare is BLOCK x BLOCK registers
+_BB = 16       # M-blocks per program in the scatter kernel
+_E_TILE = 64   # experts per one-hot tile in the count kernel
+_SCAN_TILE = 16
+
+
+@dataclass
+class MoeAlignment:
+    sorted_route_ids: torch.Tensor
+    block_expert: torch.Tensor
+    num_valid_blocks: torch.Tensor
+    expert_offsets: torch.Tensor
+    expert_counts: torch.Tensor
+    route_rows: torch.Tensor
+    row_expert: torch.Tensor
+    row_weight: torch.Tensor | None
+    block_m: int
+    top_k: int
+    num_routes: int   # R = T * k; also the padding sentinel in sorted_route_ids
+    max_blocks: int
+
+    @property
+    def max_rows(self) -> int:
+        return self.max_blocks * self.block_m
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_routes // self.top_k if self.top_k else 0
+
+
+def align_sizes(num_routes: int, num_local: int, block_m: int) -> tuple[int, int]:
+    """(max_blocks, max_rows) for R routes over E_local experts: shapes only."""
+    if num_routes == 0:
+        return 0, 0
+    max_blocks = min(num_routes, -(-num_routes // block_m) + min(num_local, num_routes))
+    return max_blocks, max_blocks * block_m
+
+
+def moe_align(topk_ids: torch.Tensor, num_local: int, first_expert: int, block_m: int,
+              topk_weights: torch.Tensor | None = None) -> MoeAlignment:
+    """Group the (token, slot) routes of `topk_ids` by local expert; see the module doc."""
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 \
+            or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids: expected a [T, k] int32/int64 tensor, got "
+                         f"{getattr(topk_ids, 'dtype', type(topk_ids))} shape {tuple(getattr(topk_ids, 'shape', ()))}")
+    if not isinstance(num_local, int) or num_local < 1:
+        raise ValueError(f"num_local={num_local!r}: expected an int >= 1")
+    if not isinstance(first_expert, int) or first_expert < 0:
+        raise ValueError(f"first_expert={first_expert!r}: expected an int >= 0")
+    if not isinstance(block_m, int) or block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m={block_m!r}: expected a power of two >= 1")
+    t, k = topk_ids.shape
+    r = t * k
+    if topk_weights is not None and (topk_weights.dtype != torch.float32 or topk_weights.shape != (t, k)
+                                     or topk_weights.device != topk_ids.device):
+        raise ValueError(f"topk_weights: expected [{t}, {k}] float32 on {topk_ids.device}, got "
+                         f"{topk_weights.dtype} shape {tuple(topk_weights.shape)} on {topk_weights.device}")
+    if r >= 2 ** 31 - 1:
+        raise ValueError(f"topk_ids: T*k={r} routes overflow int32 row ids")
+    dev = topk_ids.device
+    max_blocks, max_rows = align_sizes(r, num_local, block_m)
+    i32 = dict(dtype=torch.int32, device=dev)
+    out = MoeAlignment(
+        sorted_route_ids=torch.empty(max_rows, **i32),
+        block_expert=torch.empty(max_blocks, **i32),
+        num_valid_blocks=torch.zeros(1, **i32),
+        expert_offsets=torch.zeros(num_local + 1, **i32),
+        expert_counts=torch.zeros(num_local, **i32),
+        route_rows=torch.empty(r, **i32),
+        row_expert=torch.empty(max_rows, **i32),
+        row_weight=None if topk_weights is None else torch.empty(max_rows, dtype=torch.float32, device=dev),
+        block_m=block_m, top_k=k, num_routes=r, max_blocks=max_blocks,
+    )
+    if r == 0:
+        return out
+    import triton  # noqa: PLC0415
+
+    from ._moe_align import _align_count_kernel, _align_scan_kernel, _align_scatter_kernel
+    ids = topk_ids.contiguous().view(-1)
+    c = triton.cdiv(r, _BLOCK)
+    e_pad = max(triton.next_power_of_2(num_local), _E_TILE)
+    chunk_counts = torch.empty((c, e_pad), **i32)
+    chunk_base = torch.empty((c, e_pad), **i32)
+    _align_count_kernel[(c,)](ids, out.route_rows, chunk_counts, r, first_expert, num_local,
+                              BLOCK=_BLOCK, E_PAD=e_pad, E_TILE=_E_TILE, num_warps=4)
+    _align_scan_kernel[(1,)](chunk_counts, chunk_base, out.expert_counts, out.expert_offsets,
+                             out.num_valid_blocks, c, num_local,
+                             BLOCK_M=block_m, C_PAD=triton.next_power_of_2(c), E_PAD=e_pad,
+                             E_TILE=_SCAN_TILE, num_warps=4)
+    tw = None if topk_weights is None else topk_weights.contiguous().view(-1)
+    grid = max(c, triton.cdiv(max_blocks, _BB))
+    _align_scatter_kernel[(grid,)](ids, out.route_rows, chunk_base, out.expert_counts, out.expert_offsets,
+                                   out.num_valid_blocks, out.sorted_route_ids, out.block_expert,
+                                   out.row_expert, tw, out.row_weight if tw is not None else out.row_expert,
+                                   r, first_expert, num_local, c, max_blocks,
+                                   HAS_WEIGHTS=tw is not None, BLOCK=_BLOCK, BLOCK_M=block_m, BB=_BB, E_PAD=e_pad, num_warps=4)
+    return out

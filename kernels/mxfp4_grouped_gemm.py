@@ -1,0 +1,126 @@
+"""MXFP4 grouped GEMM, W4A8 (SPEC §4.3 `fp4_gemm`, one expert per M-block).
+
+    q       [M_a, K]              float8_e4m3fn  activations; M_a = T (gather_a: GEMM row of
+                                                 route r reads token r // k) or max_rows
+                                                 (rows already in permuted order)
+    sa      [M_a, ceil(K/128)]    float32        act_quant scales (powers of two)
+    w4      [E_local, N, K/2]     uint8          packed e2m1, low nibble = even k
+    sw      [E_local, N, K/32]    e8m0 / uint8   weight scale per 32 along K
+    align   MoeAlignment                          from `moe_align` (same block_m as config)
+    out     [R, N] bf16 (scatter_out: row = route id t*k + slot; rows of non-local routes are
+            not written) or [max_rows, N] bf16 (row = GEMM row; padding rows not written)
+
+Used for gate_up (w [E, 2I, H/2], gather_a, out [max_rows, 2I]) and down
+(w [E, H, I/2], rows in permuted order, scatter_out to [T*k, H]). K must be a multiple
+of 32 (I = 384 gives 12 scale groups over 3 activation blocks; no padding).
+
+Block configs: `select_config(num_routes, num_local, n, k)` picks by the expected rows
+per expert (routes / local experts, uniform routing assumed):
+  * < 16 rows/expert (decode: most blocks hold 1..few routes)  BLOCK_M 16, BLOCK_N 64
+  * < 64                                                        BLOCK_M 32, BLOCK_N 64
+  * < 256                                                       BLOCK_M 64, BLOCK_N 128
+  * otherwise (prefill)                                         BLOCK_M 128, BLOCK_N 128
+TODO: re-tune from `scripts/gpu_check_routed.py --sweep` on the H200 (section "sweep");
+the thresholds above are first guesses from the tile sizes, not measurements yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .moe_align import MoeAlignment
+
+__all__ = ["GemmConfig", "select_config", "mxfp4_grouped_gemm"]
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int = 64
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        if self.block_m not in (16, 32, 64, 128, 256):
+            raise ValueError(f"GemmConfig.block_m={self.block_m}: expected 16, 32, 64, 128 or 256")
+        if self.block_n not in (16, 32, 64, 128, 256):
+            raise ValueError(f"GemmConfig.block_n={self.block_n}: expected 16, 32, 64, 128 or 256")
+
+
+def select_config(num_routes: int, num_local: int, n: int, k: int) -> GemmConfig:
+    """Block config for R routes over E_local experts into an N x K weight (see module doc)."""
+    rows = num_routes / max(num_local, 1)
+    if rows < 16:
+        return GemmConfig(16, 64, 4, 4)
+    if rows < 64:
+        return GemmConfig(32, 64, 4, 4)
+    if rows < 256:
+        return GemmConfig(64, 128, 4, 3)
+    return GemmConfig(128, 128, 8, 3)
+
+
+def _fail(name: str, t, expected: str) -> None:
+    raise ValueError(f"{name}: expected {expected}, got "
+                     f"{getattr(t, 'dtype', type(t))} shape {tuple(getattr(t, 'shape', ()))}")
+
+
+def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: torch.Tensor,
+                       align: MoeAlignment, *, gather_a: bool, scatter_out: bool,
+                       out: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+    """Grouped W4A8 GEMM over the blocks of `align`; see the module docstring for layouts."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.dtype != torch.float8_e4m3fn:
+        _fail("q", q, "[M, K] float8_e4m3fn")
+    m_a, k = q.shape
+    if k % 32:
+        raise ValueError(f"q: K={k} must be a multiple of 32 (MXFP4 scale groups)")
+    kb = -(-k // 128)
+    if sa.dtype != torch.float32 or sa.shape != (m_a, kb):
+        _fail("sa", sa, f"[{m_a}, {kb}] float32")
+    if w4.dim() != 3 or w4.dtype != torch.uint8 or w4.shape[2] != k // 2:
+        _fail("w4", w4, f"[E_local, N, {k // 2}] uint8 (packed e2m1)")
+    e_local, n, _ = w4.shape
+    if sw.dtype not in (torch.uint8, torch.float8_e8m0fnu) or sw.shape != (e_local, n, k // 32):
+        _fail("sw", sw, f"[{e_local}, {n}, {k // 32}] float8_e8m0fnu/uint8")
+    if not isinstance(align, MoeAlignment):
+        raise ValueError(f"align: expected a MoeAlignment from moe_align, got {type(align).__name__}")
+    expected_ma = align.num_tokens if gather_a else align.max_rows
+    if m_a != expected_ma and align.num_routes:
+        raise ValueError(f"q: {m_a} rows, expected {expected_ma} "
+                         f"({'tokens T' if gather_a else 'permuted rows max_rows'})")
+    cfg = config or GemmConfig(block_m=align.block_m)
+    if cfg.block_m != align.block_m:
+        raise ValueError(f"config.block_m={cfg.block_m} differs from the alignment's block_m={align.block_m}")
+    out_rows = align.num_routes if scatter_out else align.max_rows
+    if out is None:
+        out = torch.empty((out_rows, n), dtype=torch.bfloat16, device=q.device)
+    elif out.dtype != torch.bfloat16 or out.shape != (out_rows, n) or out.stride(1) != 1:
+        _fail("out", out, f"[{out_rows}, {n}] bfloat16, unit stride along N")
+    for name, ten in (("sa", sa), ("w4", w4), ("sw", sw), ("out", out),
+                      ("align.sorted_route_ids", align.sorted_route_ids)):
+        if ten.device != q.device:
+            raise ValueError(f"{name}: on {ten.device}, expected q's device {q.device}")
+    if align.num_routes == 0 or align.max_blocks == 0:
+        return out
+    import triton  # noqa: PLC0415
+
+    from ._mxfp4_grouped_gemm import _mxfp4_grouped_gemm_kernel
+    from ._triton_utils import interpreting
+    q = q.contiguous()
+    sa = sa.contiguous()
+    w4 = w4.contiguous()
+    sw = sw.contiguous().view(torch.uint8)
+    grid = (align.max_blocks, triton.cdiv(n, cfg.block_n))
+    _mxfp4_grouped_gemm_kernel[grid](
+        q, sa, w4, sw, out,
+        align.sorted_route_ids, align.block_expert, align.num_valid_blocks,
+        n, align.num_routes, align.top_k,
+        q.stride(0), sa.stride(0), w4.stride(0), w4.stride(1), sw.stride(0), sw.stride(1),
+        out.stride(0),
+        A_GATHER=gather_a, OUT_SCATTER=scatter_out, K32=k // 32,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+        SOFTWARE_BF16=interpreting(),
+        num_warps=cfg.num_warps,
+    )
+    return out

@@ -1,0 +1,113 @@
+"""Router (SPEC §4.1): fp32 logits -> sqrt(softplus) -> biased top-k or hash table ->
+unbiased weights renormalised and scaled, ids sorted ascending per token.
+
+    x            [T, H]        bfloat16
+    weight       [E, H]        bfloat16 (or float32, pre-converted once by the caller)
+    bias         [E]           float32            non-hash layers, else None
+    tid2eid      [vocab, k]    int64 / int32      hash layers, else None
+    input_ids    [T]           int64 / int32      hash layers, else None
+    ->
+    topk_weights [T, k]        float32   w / sum(w) * routed_scaling_factor
+    topk_ids     [T, k]        int32     ascending per token (weights permuted with them)
+
+Design (measure with `scripts/gpu_check_routed.py`, section "router"): the logits are
+one cuBLAS call with fp32 accumulation (bf16 x bf16 products are exact in fp32, so
+only the summation order can differ from `x.float() @ W.float().T`), the scores are
+torch's own `softplus` and `sqrt` (bitwise what the reference computes on the same
+device: Triton has no `log1p` that matches torch's, and a 1-ulp score difference could
+flip a near-tie in the selection), and one Triton kernel does selection, gather,
+renormalisation, scaling and the per-token sort. Nothing reads device values on the
+host, so the whole router can be captured in a CUDA graph.
+
+Hash-table rows must hold ids in [0, E); an out-of-range id would gather a 0 score
+(checking it would need a host sync, so it is the loader's job).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["route_topk", "router_logits"]
+
+_E_MAX = 4096  # one register vector per token; DeepSeek-V4 has E <= 384
+_MM_OUT_DTYPE_OK: dict[str, bool] = {}
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """[T, H] bf16 @ [E, H]^T -> [T, E] float32 with fp32 accumulation.
+
+    A float32 `weight` is used as is; a bf16 one goes through `torch.mm(...,
+    out_dtype=float32)` on CUDA (no fp32 copy of the gate weight per call), falling
+    back to `x.float() @ weight.float().T` where that overload is missing.
+    """
+    if weight.dtype == torch.float32:
+        return x.float() @ weight.t()
+    if x.is_cuda:
+        key = str(x.device)
+        if _MM_OUT_DTYPE_OK.get(key, True):
+            try:
+                out = torch.mm(x, weight.t(), out_dtype=torch.float32)
+                _MM_OUT_DTYPE_OK[key] = True
+                return out
+            except (RuntimeError, TypeError):
+                _MM_OUT_DTYPE_OK[key] = False  # NOTE: decided on the first (eager) call
+    return x.float() @ weight.float().t()
+
+
+def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               tid2eid: torch.Tensor | None, input_ids: torch.Tensor | None,
+               top_k: int, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route T tokens to top_k of E experts; see the module docstring for layouts."""
+    _check(isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype == torch.bfloat16,
+           f"x: expected a [T, H] bfloat16 tensor, got {getattr(x, 'dtype', type(x))} "
+           f"shape {tuple(getattr(x, 'shape', ()))}")
+    t, h = x.shape
+    _check(weight.dim() == 2 and weight.shape[1] == h and weight.dtype in (torch.bfloat16, torch.float32),
+           f"weight: expected [E, {h}] bfloat16/float32, got {weight.dtype} shape {tuple(weight.shape)}")
+    e = weight.shape[0]
+    _check(e <= _E_MAX, f"weight: E={e} experts exceeds the kernel's limit {_E_MAX}")
+    _check(isinstance(top_k, int) and 1 <= top_k <= e, f"top_k={top_k!r}: expected an int in [1, E={e}]")
+    _check(float(routed_scaling_factor) > 0, f"routed_scaling_factor={routed_scaling_factor!r}: expected > 0")
+    hashed = tid2eid is not None
+    if hashed:
+        _check(bias is None, "bias: hash layers have no selection bias; expected None with tid2eid")
+        _check(tid2eid.dim() == 2 and tid2eid.shape[1] == top_k
+               and tid2eid.dtype in (torch.int64, torch.int32),
+               f"tid2eid: expected [vocab, {top_k}] int64/int32, got {tid2eid.dtype} shape {tuple(tid2eid.shape)}")
+        _check(input_ids is not None and input_ids.shape == (t,)
+               and input_ids.dtype in (torch.int64, torch.int32),
+               f"input_ids: hash routing needs [T={t}] int64/int32 token ids, got "
+               f"{None if input_ids is None else (input_ids.dtype, tuple(input_ids.shape))}")
+    elif bias is not None:
+        _check(bias.shape == (e,) and bias.dtype == torch.float32,
+               f"bias: expected [{e}] float32, got {bias.dtype} shape {tuple(bias.shape)}")
+    for name, ten in (("weight", weight), ("bias", bias), ("tid2eid", tid2eid), ("input_ids", input_ids)):
+        if ten is not None:
+            _check(ten.device == x.device, f"{name}: on {ten.device}, expected x's device {x.device}")
+
+    out_w = torch.empty((t, top_k), dtype=torch.float32, device=x.device)
+    out_ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
+    if t == 0:
+        return out_w, out_ids
+    scores = torch.sqrt(torch.nn.functional.softplus(router_logits(x, weight)))
+    import triton  # noqa: PLC0415  (lazy: importing dsv4_moe.kernels never needs triton)
+
+    from ._router import _route_topk_kernel
+    dummy = scores
+    _route_topk_kernel[(t,)](
+        scores, bias if bias is not None else dummy,
+        tid2eid.contiguous() if hashed else dummy,
+        input_ids.contiguous() if hashed else dummy,
+        out_w, out_ids,
+        e, scores.stride(0), tid2eid.shape[1] if hashed else 0,
+        float(routed_scaling_factor),
+        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(e),
+        HAS_BIAS=bias is not None, HASH=hashed,
+        num_warps=4 if e > 256 else 2,
+    )
+    return out_w, out_ids

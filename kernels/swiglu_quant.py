@@ -1,0 +1,184 @@
+"""swiglu_quant — fused clamped SwiGLU + bf16 rounding + UE8M0 FP8 quant (SPEC §4.4, §5.1).
+
+Reads the GEMM1 output `gate_up` once and writes FP8 codes plus scales; the bf16
+activation h is never written to memory:
+
+    g = gate_up[:, :I].float();  u = gate_up[:, I:].float()
+    u = clamp(u, -L, L);  g = min(g, L)          # the gate has NO lower clamp
+    h = silu(g) * u                              # fp32; silu(g) = g / (1 + exp(-g))
+    h = h * route_weight[row]                    # optional (routed experts, before w2)
+    q, s = act_quant(bf16(h))                    # §4.2, scale_fmt as in act_quant
+
+Row filtering (routed experts under EP): rows with expert_ids[row] == -1, or with
+expert_map[expert_ids[row]] == -1, are skipped: their q rows and scales are left
+untouched (pass out_q / out_s to keep what was there).
+
+`swiglu_quant_unfused` is the twin made of separate torch ops + act_quant, with the bf16
+activation materialised; fused and unfused are bitwise equal on the same device (the
+contract of SPEC §5). Strategy choice: `choose_strategy` below.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .act_quant import act_quant, alloc_scales, check_scales_out, scale_fmt_code
+
+__all__ = ["swiglu_quant", "swiglu_quant_unfused", "choose_strategy", "PERSISTENT_MIN_ELEMENTS"]
+
+_BLOCK = 128
+
+# NOTE: crossover between the one-program-per-group launch (best while launch-bound) and
+# the persistent grid, in output elements M*I. Seed 002 measured ~1M on H200 for its CUDA
+# kernels; this is the starting value until scripts/gpu_check_shared.py measures ours
+# (its "strategy" rows time both at every M x I; set this to the smallest M*I where
+# persistent wins).
+PERSISTENT_MIN_ELEMENTS = 1 << 20
+
+
+def choose_strategy(m: int, intermediate: int, filtered: bool) -> str:
+    """'persistent' when rows are filtered (skipping dominates, seed 002) or the output
+    has at least PERSISTENT_MIN_ELEMENTS elements; otherwise 'group'."""
+    if filtered or m * intermediate >= PERSISTENT_MIN_ELEMENTS:
+        return "persistent"
+    return "group"
+
+
+def _check_inputs(fn, gate_up, route_weight, expert_ids, expert_map):
+    if not isinstance(gate_up, torch.Tensor) or gate_up.dim() != 2:
+        raise ValueError(f"{fn}: gate_up must be a 2-D tensor [M, 2I], got "
+                         f"{tuple(gate_up.shape) if isinstance(gate_up, torch.Tensor) else type(gate_up).__name__}")
+    if gate_up.dtype != torch.bfloat16:
+        raise ValueError(f"{fn}: gate_up.dtype={gate_up.dtype}, expected torch.bfloat16")
+    m, two_i = gate_up.shape
+    if two_i == 0 or two_i % 2:
+        raise ValueError(f"{fn}: gate_up.shape={tuple(gate_up.shape)}, last dim must be 2I > 0 (even)")
+    if m > 0 and gate_up.stride(1) != 1:
+        raise ValueError(f"{fn}: gate_up.stride()={tuple(gate_up.stride())}, expected unit column stride")
+    dev = gate_up.device
+    if route_weight is not None:
+        if route_weight.dtype != torch.float32 or tuple(route_weight.shape) != (m,) or route_weight.device != dev:
+            raise ValueError(f"{fn}: route_weight must be float32 [{m}] on {dev}, got {route_weight.dtype} "
+                             f"{tuple(route_weight.shape)} on {route_weight.device}")
+        if m > 1 and route_weight.stride(0) != 1:
+            raise ValueError(f"{fn}: route_weight must be contiguous, stride {route_weight.stride()}")
+    if expert_map is not None and expert_ids is None:
+        raise ValueError(f"{fn}: expert_map given without expert_ids")
+    if expert_ids is not None:
+        if expert_ids.dtype != torch.int32 or tuple(expert_ids.shape) != (m,) or expert_ids.device != dev:
+            raise ValueError(f"{fn}: expert_ids must be int32 [{m}] on {dev}, got {expert_ids.dtype} "
+                             f"{tuple(expert_ids.shape)} on {expert_ids.device}")
+        if m > 1 and expert_ids.stride(0) != 1:
+            raise ValueError(f"{fn}: expert_ids must be contiguous, stride {expert_ids.stride()}")
+    if expert_map is not None:
+        if expert_map.dtype != torch.int32 or expert_map.dim() != 1 or expert_map.device != dev:
+            raise ValueError(f"{fn}: expert_map must be int32 [E] on {dev}, got {expert_map.dtype} "
+                             f"{tuple(expert_map.shape)} on {expert_map.device}")
+        if expert_map.numel() > 1 and expert_map.stride(0) != 1:
+            raise ValueError(f"{fn}: expert_map must be contiguous, stride {expert_map.stride()}")
+    return m, two_i // 2
+
+
+def _outputs(fn, m, i, scale_fmt, device, out_q, out_s):
+    g = -(-i // _BLOCK)
+    if out_q is None:
+        out_q = torch.empty(m, i, dtype=torch.float8_e4m3fn, device=device)
+    elif (out_q.dtype != torch.float8_e4m3fn or tuple(out_q.shape) != (m, i)
+          or (m and out_q.stride(1) != 1)):
+        raise ValueError(f"{fn}: out_q must be float8_e4m3fn {(m, i)} with unit column stride, got "
+                         f"{out_q.dtype} {tuple(out_q.shape)} strides {tuple(out_q.stride())}")
+    if out_s is None:
+        out_s = alloc_scales(m, g, scale_fmt, device)
+    else:
+        check_scales_out(out_s, m, g, scale_fmt, device, fn)
+    return out_q, out_s
+
+
+def swiglu_quant(gate_up: torch.Tensor, *, limit: float = 10.0,
+                 route_weight: Optional[torch.Tensor] = None,
+                 expert_ids: Optional[torch.Tensor] = None,
+                 expert_map: Optional[torch.Tensor] = None,
+                 scale_fmt: str = "fp32",
+                 out_q: Optional[torch.Tensor] = None, out_s: Optional[torch.Tensor] = None,
+                 strategy: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused clamped SwiGLU + FP8 group quant (one Triton launch; none when M = 0).
+
+    Args:
+        gate_up       [M, 2I]  bfloat16, unit column stride; gate columns [0, I), up [I, 2I)
+        limit         float    swiglu_limit L (10.0 for every V4 config)
+        route_weight  [M]      float32 or None, multiplied into h before the bf16 rounding
+        expert_ids    [M]      int32 or None; rows with -1 are skipped
+        expert_map    [E]      int32 or None; rows with expert_map[expert_ids] == -1 skipped
+        scale_fmt     str      "fp32" | "e8m0" | "fp32_cm" | "amax" (see act_quant)
+        out_q, out_s           optional preallocated outputs (skipped rows keep their bytes)
+        strategy      str      None (choose_strategy) | "group" | "persistent"
+    Returns:
+        q  [M, I] float8_e4m3fn;  s  scales in `scale_fmt`'s layout, G = ceil(I/128)
+    """
+    fn = "swiglu_quant"
+    code = scale_fmt_code(scale_fmt, fn)
+    m, i = _check_inputs(fn, gate_up, route_weight, expert_ids, expert_map)
+    out_q, out_s = _outputs(fn, m, i, scale_fmt, gate_up.device, out_q, out_s)
+    m_s = out_s.shape[0]
+    if m_s == 0:
+        return out_q, out_s
+    if strategy is None:
+        strategy = choose_strategy(m, i, expert_ids is not None)
+    if strategy not in ("group", "persistent"):
+        raise ValueError(f"{fn}: strategy={strategy!r}, expected None, 'group' or 'persistent'")
+    from ._swiglu_quant import launch_swiglu_quant
+
+    num_sms = (torch.cuda.get_device_properties(gate_up.device).multi_processor_count
+               if gate_up.device.type == "cuda" else 4)
+    s_view = out_s.view(torch.uint8) if out_s.dtype == torch.float8_e8m0fnu else out_s
+    launch_swiglu_quant(gate_up, out_q.view(torch.uint8), s_view, route_weight, expert_ids, expert_map,
+                        m_s, limit, code, strategy, num_sms)
+    return out_q, out_s
+
+
+def swiglu_quant_unfused(gate_up: torch.Tensor, *, limit: float = 10.0,
+                         route_weight: Optional[torch.Tensor] = None,
+                         expert_ids: Optional[torch.Tensor] = None,
+                         expert_map: Optional[torch.Tensor] = None,
+                         scale_fmt: str = "fp32",
+                         out_q: Optional[torch.Tensor] = None, out_s: Optional[torch.Tensor] = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused twin of `swiglu_quant` (same arguments and outputs, no `strategy`):
+    separate torch ops with the bf16 activation materialised, then the Triton
+    `act_quant`; filtered rows are copied out with torch indexing. Bitwise equal to the
+    fused kernel on the same device; it exists as the fallback and the A/B baseline."""
+    fn = "swiglu_quant_unfused"
+    scale_fmt_code(scale_fmt, fn)
+    m, i = _check_inputs(fn, gate_up, route_weight, expert_ids, expert_map)
+    out_q, out_s = _outputs(fn, m, i, scale_fmt, gate_up.device, out_q, out_s)
+    if out_s.shape[0] == 0:
+        return out_q, out_s
+    g = gate_up[:, :i].float()
+    u = gate_up[:, i:].float()
+    u = torch.clamp(u, -limit, limit)
+    g = torch.clamp(g, max=limit)  # NOTE: no lower clamp on the gate (SPEC §4.4)
+    h = F.silu(g) * u
+    if route_weight is not None:
+        h = h * route_weight[:, None]
+    hb = h.to(torch.bfloat16)
+    if expert_ids is None:
+        act_quant(hb, scale_fmt=scale_fmt, out_q=out_q, out_s=out_s)
+        return out_q, out_s
+    q, s = act_quant(hb, scale_fmt=scale_fmt)
+    keep = expert_ids >= 0
+    if expert_map is not None:
+        keep = keep & (expert_map[expert_ids.clamp_min(0).long()] >= 0)
+    # torch.where keeps the launch count fixed (CUDA-graph friendly, no host sync).
+    out_q.view(torch.uint8).copy_(torch.where(keep[:, None], q.view(torch.uint8), out_q.view(torch.uint8)))
+    s_rows = out_s[:m]
+    keep_s = keep[:, None]
+    if out_s.dtype == torch.float8_e8m0fnu:
+        s_rows.view(torch.uint8).copy_(torch.where(keep_s, s.view(torch.uint8), s_rows.view(torch.uint8)))
+    else:
+        s_rows.copy_(torch.where(keep_s, s[:m], s_rows))
+        if out_s.shape[0] > m:  # padded rows of "fp32_cm": the all-zero-group scale, as fused
+            out_s[m:].copy_(s[m:])
+    return out_q, out_s

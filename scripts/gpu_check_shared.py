@@ -1,0 +1,475 @@
+"""GPU check + benchmark of the shared-expert kernels on one H200 (SPEC §4.2-4.4, §5.1).
+
+    OUT=./out python scripts/gpu_check_shared.py [--budget 230] [--quick]
+
+Writes $OUT/gpu_check_shared.json (every row) and $OUT/gpu_check_shared.txt (the table).
+Sections (each guarded: an exception becomes an "error" row, the script goes on):
+  hw        device copy TB/s (the bandwidth ceiling used for "% of copy")
+  swiglu    fused (auto / group / persistent) == unfused == CPU reference, bitwise, for
+            I in {384, 2048, 3072} x M in {1..8192}; scale formats; row filtering;
+            CUDA-graph replay == eager
+  gemm      Triton fp8_block_gemm_nt (default tiles, and Triton's default imprecise fp8
+            accumulation), torch blockwise scaled_mm (every weight-scale layout), deep_gemm
+            (if importable) vs the reference fp8_gemm (fp64 in-block sums, on the GPU)
+  t_swiglu  timing fused vs unfused (CUDA graphs, rotated inputs), GB/s and % of copy
+  t_gemm    timing Triton vs scaled_mm at the shared-expert shapes, TB/s of weights, TFLOP/s
+  sweep     Triton GEMM tile configs at M=1 and M=4096 per shape (pick defaults from it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+from dsv4_moe import reference as ref
+from dsv4_moe.kernels.act_quant import act_quant
+from dsv4_moe.kernels.deep_gemm_fp8 import deep_gemm_supported, fp8_deep_gemm_nt
+from dsv4_moe.kernels.fp8_block_gemm import choose_config, fp8_block_gemm_nt
+from dsv4_moe.kernels.scaled_mm_fp8 import (WEIGHT_SCALE_LAYOUTS, fp8_scaled_mm_nt, prepare_weight_scale,
+                                            scaled_mm_supported)
+from dsv4_moe.kernels.swiglu_quant import PERSISTENT_MIN_ELEMENTS, swiglu_quant, swiglu_quant_unfused
+
+T0 = time.time()
+OUT = os.environ.get("OUT", "./out")
+DEV = "cuda"
+ROWS = []
+ARGS = None
+M_LIST = [1, 4, 16, 64, 256, 1024, 4096, 8192]
+I_LIST = [384, 2048, 3072]
+# (label, N, K): the shared expert's gate_up (N = 2I, K = H) and down (N = H, K = I) GEMMs.
+GEMM_SHAPES = [
+    ("flash gate_up", 4096, 4096), ("flash down", 4096, 2048),
+    ("pro-tp8 gate_up", 768, 7168), ("pro-tp8 down", 7168, 384),
+    ("pro-tp1 gate_up", 6144, 7168), ("pro-tp1 down", 7168, 3072),
+]
+GEMM_M = [1, 4, 16, 64, 256, 1024, 4096, 8192]
+FMT_M = [1, 63, 4096]          # scale-format and filtering checks
+GEMM_CHECK_M = [1, 16, 256, 4096]  # GEMM correctness
+SWEEP = {
+    1: [dict(BLOCK_M=16, BLOCK_N=bn, GROUP_M=1, num_warps=w, num_stages=s)
+        for bn, w, s in ((16, 4, 4), (32, 4, 4), (32, 4, 6), (64, 4, 4), (64, 4, 6), (128, 4, 4))],
+    4096: [dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=w, num_stages=s)
+           for bm, bn, w, s in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (64, 128, 4, 4),
+                                (128, 64, 4, 4), (256, 128, 8, 3))],
+}
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def time_left():
+    return ARGS.budget - (time.time() - T0)
+
+
+def add(row):
+    ROWS.append(row)
+    with open(os.path.join(OUT, "gpu_check_shared.json"), "w") as f:
+        json.dump(ROWS, f, indent=1, default=str)
+    if "error" in row or row.get("ok") is False:
+        log("ROW", json.dumps(row, default=str)[:800])
+
+
+def _bytes(t):
+    # NOTE: a [4, 1] tensor with strides (1, 4) counts as contiguous but cannot be viewed
+    # as bytes; an explicit dense copy always can.
+    flat = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+    flat.copy_(t.reshape(-1))
+    return flat.view(torch.uint8)
+
+
+def bytes_equal(a, b):
+    return a.shape == b.shape and bool(torch.equal(_bytes(a), _bytes(b.to(a.device))))
+
+
+def n_diff(a, b):
+    return int((_bytes(a) != _bytes(b.to(a.device))).sum().item())
+
+
+# ----------------------------------------------------------------------------- timing
+def bench(fns, reps=10, target_ms=2.0):
+    """CUDA-graph replays of one callable per rotation set; median us per call."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graphs = []
+    for f in fns:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            f()
+        graphs.append(g)
+    n = len(graphs)
+    for g in graphs:
+        g.replay()
+    torch.cuda.synchronize()
+    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    st.record()
+    for g in graphs:
+        g.replay()
+    en.record()
+    en.synchronize()
+    one = st.elapsed_time(en) / n
+    inner = n * max(1, min(100, math.ceil(target_ms / max(one * n, 1e-3))))
+    times = []
+    for _ in range(reps):
+        st.record()
+        for i in range(inner):
+            graphs[i % n].replay()
+        en.record()
+        en.synchronize()
+        times.append(st.elapsed_time(en) / inner * 1e3)
+    return statistics.median(times)
+
+
+def n_sets(bytes_per_set, cap=48):
+    """Enough rotated input sets to exceed 2x the 60 MB L2 (capped for tiny cases, which
+    are launch-bound anyway)."""
+    return max(2, min(cap, math.ceil(120e6 / max(bytes_per_set, 1))))
+
+
+# ----------------------------------------------------------------------------- sections
+def part_hw():
+    n = 1 << 28
+    x = torch.empty(n, device=DEV, dtype=torch.bfloat16).normal_()
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(10):
+        st.record()
+        y.copy_(x)
+        en.record()
+        en.synchronize()
+        ts.append(st.elapsed_time(en))
+    ms = statistics.median(ts)
+    tb = 2 * n * 2 / ms / 1e9
+    add(dict(part="hw", what="d2d copy 512 MiB (read+write)", us=ms * 1e3, TBps=tb))
+    return tb
+
+
+def make_gate_up(m, i, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(m, 2 * i, device=DEV, generator=g) * 4
+    if m:  # a few clamp-active and very negative gates in every case
+        x[:, : min(i, 16)] *= 8
+    return x.bfloat16()
+
+
+def part_swiglu_correctness():
+    for i in I_LIST:
+        for m in M_LIST:
+            x = make_gate_up(m, i, seed=m * 31 + i)
+            w = torch.rand(m, device=DEV) + 0.25
+            for use_w in (False, True):
+                rw = w if use_w else None
+                rq, rs = ref.swiglu_quant(x.cpu(), 10.0, rw.cpu() if use_w else None)
+                uq, us = swiglu_quant_unfused(x, route_weight=rw)
+                row = dict(part="swiglu", I=i, M=m, route_weight=use_w,
+                           unfused_vs_ref_q=n_diff(uq.cpu(), rq), unfused_vs_ref_s=n_diff(us.cpu(), rs))
+                ok = row["unfused_vs_ref_q"] == 0 and row["unfused_vs_ref_s"] == 0
+                for strat in (None, "group", "persistent"):
+                    fq, fs = swiglu_quant(x, route_weight=rw, strategy=strat)
+                    key = strat or "auto"
+                    row[f"{key}_vs_unfused"] = bytes_equal(fq, uq) and bytes_equal(fs, us)
+                    row[f"{key}_vs_ref_q"] = n_diff(fq.cpu(), rq)
+                    ok = ok and row[f"{key}_vs_unfused"] and row[f"{key}_vs_ref_q"] == 0
+                row["ok"] = ok
+                add(row)
+    # scale formats and filtering at a few sizes
+    for i in I_LIST:
+        for m in FMT_M:
+            x = make_gate_up(m, i, seed=7 + m + i)
+            rq, rs = ref.swiglu_quant(x.cpu(), 10.0)
+            for fmt in ("e8m0", "fp32_cm", "amax"):
+                uq, us = swiglu_quant_unfused(x, scale_fmt=fmt)
+                row = dict(part="swiglu_fmt", I=i, M=m, scale_fmt=fmt)
+                for strat in ("group", "persistent"):
+                    fq, fs = swiglu_quant(x, scale_fmt=fmt, strategy=strat)
+                    row[f"{strat}_vs_unfused"] = bytes_equal(fq, uq) and bytes_equal(fs, us) \
+                        and fs.stride() == us.stride()
+                if fmt == "e8m0":
+                    row["vs_ref"] = bytes_equal(us.cpu(), ref.quant.scale_to_e8m0_bits(rs)) and bytes_equal(uq.cpu(), rq)
+                elif fmt == "fp32_cm":
+                    row["vs_ref"] = bytes_equal(us[:m].cpu(), rs) and bytes_equal(uq.cpu(), rq)
+                row["ok"] = row["group_vs_unfused"] and row["persistent_vs_unfused"] and row.get("vs_ref", True)
+                add(row)
+            ids = torch.randint(-1, 8, (m,), device=DEV, dtype=torch.int32)
+            emap = torch.tensor([0, -1, 1, 2, -1, 3, 4, -1], device=DEV, dtype=torch.int32)
+            w = torch.rand(m, device=DEV)
+            keep = (ids >= 0) & (emap[ids.clamp_min(0).long()] >= 0)
+            rq, rs = ref.swiglu_quant(x.cpu(), 10.0, w.cpu())
+            outs = {}
+            for name in ("group", "persistent", "unfused"):
+                oq = torch.full((m, i), 0x5A, dtype=torch.uint8, device=DEV).view(torch.float8_e4m3fn)
+                os_ = torch.full((m, -(-i // 128)), -3.0, device=DEV)
+                kw = dict(route_weight=w, expert_ids=ids, expert_map=emap, out_q=oq, out_s=os_)
+                (swiglu_quant_unfused(x, **kw) if name == "unfused" else swiglu_quant(x, strategy=name, **kw))
+                outs[name] = (oq, os_)
+            k = keep.cpu()
+            uq, us = outs["unfused"]
+            row = dict(part="swiglu_filter", I=i, M=m, kept=int(k.sum()),
+                       untouched=all(bool((o[0].view(torch.uint8)[~keep] == 0x5A).all()) and
+                                     bool((o[1][~keep] == -3.0).all()) for o in outs.values()),
+                       fused_vs_unfused=all(bytes_equal(outs[s][0], uq) and bytes_equal(outs[s][1], us)
+                                            for s in ("group", "persistent")),
+                       kept_vs_ref=bytes_equal(uq.cpu()[k], rq[k]) and bytes_equal(us.cpu()[k], rs[k]))
+            row["ok"] = row["untouched"] and row["fused_vs_unfused"] and row["kept_vs_ref"]
+            add(row)
+    # CUDA graph capture + replay == eager
+    for i in I_LIST:
+        m = 64
+        x = make_gate_up(m, i, seed=99)
+        eq, es = swiglu_quant(x)
+        oq, os_ = torch.empty_like(eq), torch.empty_like(es)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            swiglu_quant(x, out_q=oq, out_s=os_)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            swiglu_quant(x, out_q=oq, out_s=os_)
+        oq.view(torch.uint8).zero_()
+        os_.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        add(dict(part="swiglu_graph", I=i, M=m, ok=bytes_equal(oq, eq) and bytes_equal(os_, es)))
+
+
+def gemm_case(m, n, k, seed, nsets=1):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = (torch.randn(m, k, device=DEV, generator=g) * 2).bfloat16()
+    q, sa = act_quant(x)
+    ws = []
+    for _ in range(nsets):
+        w = (torch.randn(n, k, device=DEV, generator=g) * 0.7).to(torch.float8_e4m3fn)
+        sw = torch.randint(118, 126, (-(-n // 128), -(-k // 128)), device=DEV, generator=g,
+                           dtype=torch.uint8).view(torch.float8_e8m0fnu)
+        ws.append((w, sw))
+    return x, q, sa, ws
+
+
+def ulp_stats(got, want):
+    def key(t):
+        i = t.contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(i < 0, -32768 - i, i)
+    d = (key(got) - key(want)).abs()
+    return dict(frac_diff=float((d > 0).float().mean().item()), max_ulp=int(d.max().item()),
+                rel_l2=float(((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()))
+
+
+def part_gemm_correctness():
+    for label, n, k in GEMM_SHAPES:
+        for m in GEMM_CHECK_M:
+            x, q, sa, ws = gemm_case(m, n, k, seed=m + n + k)
+            w, sw = ws[0]
+            r = min(m, 256)  # reference rows (fp64 in-block sums on the GPU)
+            want = ref.fp8_gemm(q[:r], sa[:r], w, sw)
+            base = dict(part="gemm", shape=label, M=m, N=n, K=k)
+            out = fp8_block_gemm_nt(q, sa, w, sw)
+            add(dict(base, path="triton", config=choose_config(m, n, k), **ulp_stats(out[:r], want)))
+            cfg = dict(choose_config(m, n, k), IMPRECISE=128)
+            out = fp8_block_gemm_nt(q, sa, w, sw, config=cfg)
+            add(dict(base, path="triton IMPRECISE=128 (~Triton SM90 default)", **ulp_stats(out[:r], want)))
+            ok, why = scaled_mm_supported(m, n, k, DEV)
+            if ok:
+                _, sa_cm = act_quant(x, scale_fmt="fp32_cm")
+                for layout in WEIGHT_SCALE_LAYOUTS:
+                    try:
+                        out = fp8_scaled_mm_nt(q, sa_cm, w, prepare_weight_scale(sw, layout))
+                        torch.cuda.synchronize()
+                        add(dict(base, path=f"scaled_mm {layout}", **ulp_stats(out[:r], want)))
+                    except Exception as e:
+                        add(dict(base, path=f"scaled_mm {layout}", error=f"{type(e).__name__}: {e}"[:300]))
+            else:
+                add(dict(base, path="scaled_mm", skipped=why))
+            ok, why = deep_gemm_supported(m, n, k, DEV)
+            if ok:
+                try:
+                    out = fp8_deep_gemm_nt(q, sa, w, ref.gemm._scales_f32(sw))
+                    add(dict(base, path="deep_gemm", **ulp_stats(out[:r], want)))
+                except Exception as e:
+                    add(dict(base, path="deep_gemm", error=f"{type(e).__name__}: {e}"[:300]))
+            elif m == 1:
+                add(dict(base, path="deep_gemm", skipped=why))
+
+
+def part_swiglu_timing(copy_tbps):
+    for i in I_LIST:
+        for m in M_LIST:
+            if time_left() < 60:
+                add(dict(part="t_swiglu", I=i, M=m, skipped="time budget"))
+                continue
+            g = -(-i // 128)
+            by = m * 2 * i * 2 + m * i + m * g * 4
+            xs = [make_gate_up(m, i, seed=s) for s in range(n_sets(by))]
+            outs = [(torch.empty(m, i, dtype=torch.float8_e4m3fn, device=DEV),
+                     torch.empty(m, g, device=DEV)) for _ in xs]
+            row = dict(part="t_swiglu", I=i, M=m, MB=by / 1e6, nsets=len(xs))
+            for name, f in (("fused", lambda x, o: swiglu_quant(x, out_q=o[0], out_s=o[1])),
+                            ("group", lambda x, o: swiglu_quant(x, out_q=o[0], out_s=o[1], strategy="group")),
+                            ("persistent", lambda x, o: swiglu_quant(x, out_q=o[0], out_s=o[1],
+                                                                     strategy="persistent")),
+                            ("unfused", lambda x, o: swiglu_quant_unfused(x, out_q=o[0], out_s=o[1]))):
+                us = bench([lambda x=x, o=o, f=f: f(x, o) for x, o in zip(xs, outs)])
+                row[f"us_{name}"] = us
+                row[f"GBps_{name}"] = by / us / 1e3
+                row[f"pct_copy_{name}"] = 100 * by / us / 1e6 / copy_tbps
+            row["speedup_fused"] = row["us_unfused"] / row["us_fused"]
+            add(row)
+            del xs, outs
+
+
+def part_gemm_timing():
+    for label, n, k in GEMM_SHAPES:
+        wbytes = n * k + 4 * (-(-n // 128)) * (-(-k // 128))
+        nw = max(2, math.ceil(120e6 / wbytes))
+        for m in GEMM_M:
+            if time_left() < 45:
+                add(dict(part="t_gemm", shape=label, M=m, skipped="time budget"))
+                continue
+            x, q, sa, ws = gemm_case(m, n, k, seed=3, nsets=nw)
+            fl = 2 * m * n * k
+            row = dict(part="t_gemm", shape=label, M=m, N=n, K=k, config=choose_config(m, n, k))
+            us = bench([lambda w=w, sw=sw: fp8_block_gemm_nt(q, sa, w, sw) for w, sw in ws])
+            row.update(us_triton=us, TBps_w_triton=wbytes / us / 1e6, TFLOPs_triton=fl / us / 1e6)
+            ok, why = scaled_mm_supported(m, n, k, DEV)
+            layout = ARGS.scaled_mm_layout
+            if ok:
+                try:
+                    _, sa_cm = act_quant(x, scale_fmt="fp32_cm")
+                    wp = [(w, prepare_weight_scale(sw, layout)) for w, sw in ws]
+                    us = bench([lambda w=w, s=s: fp8_scaled_mm_nt(q, sa_cm, w, s) for w, s in wp])
+                    row.update(us_scaled_mm=us, TBps_w_scaled_mm=wbytes / us / 1e6, TFLOPs_scaled_mm=fl / us / 1e6,
+                               scaled_mm_layout=layout)
+                except Exception as e:
+                    row["scaled_mm_error"] = f"{type(e).__name__}: {e}"[:300]
+            else:
+                row["scaled_mm_skipped"] = why
+            add(row)
+            del ws
+
+
+def part_sweep():
+    for label, n, k in GEMM_SHAPES:
+        for m, cfgs in SWEEP.items():
+            wbytes = n * k
+            nw = max(2, math.ceil(120e6 / wbytes))
+            x, q, sa, ws = gemm_case(m, n, k, seed=5, nsets=nw)
+            want = ref.fp8_gemm(q[:64], sa[:64], ws[0][0], ws[0][1])
+            for cfg in cfgs:
+                if time_left() < 20:
+                    add(dict(part="sweep", shape=label, M=m, config=cfg, skipped="time budget"))
+                    continue
+                try:
+                    out = fp8_block_gemm_nt(q, sa, ws[0][0], ws[0][1], config=cfg)
+                    st = ulp_stats(out[:64], want)
+                    us = bench([lambda w=w, sw=sw, cfg=cfg: fp8_block_gemm_nt(q, sa, w, sw, config=cfg)
+                                for w, sw in ws], reps=6)
+                    add(dict(part="sweep", shape=label, M=m, N=n, K=k, config=cfg, us=us,
+                             TBps_w=wbytes / us / 1e6, TFLOPs=2 * m * n * k / us / 1e6, **st))
+                except Exception as e:
+                    add(dict(part="sweep", shape=label, M=m, config=cfg, error=f"{type(e).__name__}: {e}"[:300]))
+            del ws
+
+
+# ----------------------------------------------------------------------------- main
+def summary():
+    lines = [f"gpu_check_shared: {torch.cuda.get_device_name()} torch {torch.__version__} "
+             f"PERSISTENT_MIN_ELEMENTS={PERSISTENT_MIN_ELEMENTS} ({time.time() - T0:.0f}s)"]
+    bad = [r for r in ROWS if r.get("ok") is False or "error" in r]
+    chk = [r for r in ROWS if "ok" in r]
+    lines.append(f"bitwise checks: {len(chk) - sum(1 for r in chk if not r['ok'])}/{len(chk)} ok; "
+                 f"{len(bad)} failing or erroring rows (see JSON)")
+    for r in bad[:15]:
+        lines.append("  BAD " + json.dumps(r, default=str)[:300])
+    lines.append(f"{'gemm shape':18s} {'M':>5s} {'path':40s} {'diff%':>7s} {'maxulp':>6s}")
+    for r in ROWS:
+        if r["part"] == "gemm" and "frac_diff" in r and r["M"] in (1, 4096):
+            lines.append(f"{r['shape']:18s} {r['M']:5d} {r['path']:40s} {100 * r['frac_diff']:7.3f} {r['max_ulp']:6d}")
+    lines.append(f"{'I':>5s} {'M':>5s} {'fused us':>9s} {'group':>7s} {'persist':>7s} {'unfused':>8s} "
+                 f"{'GB/s':>7s} {'%copy':>6s} {'x':>5s}")
+    for r in ROWS:
+        if r["part"] == "t_swiglu" and "us_fused" in r:
+            lines.append(f"{r['I']:5d} {r['M']:5d} {r['us_fused']:9.2f} {r['us_group']:7.2f} "
+                         f"{r['us_persistent']:7.2f} {r['us_unfused']:8.2f} {r['GBps_fused']:7.0f} "
+                         f"{r['pct_copy_fused']:6.1f} {r['speedup_fused']:5.2f}")
+    lines.append(f"{'gemm shape':18s} {'M':>5s} {'triton us':>9s} {'TB/s':>6s} {'TF/s':>6s} "
+                 f"{'scaled_mm us':>12s} {'TB/s':>6s} {'TF/s':>6s}")
+    for r in ROWS:
+        if r["part"] == "t_gemm" and "us_triton" in r:
+            lines.append(f"{r['shape']:18s} {r['M']:5d} {r['us_triton']:9.2f} {r['TBps_w_triton']:6.2f} "
+                         f"{r['TFLOPs_triton']:6.0f} {r.get('us_scaled_mm', float('nan')):12.2f} "
+                         f"{r.get('TBps_w_scaled_mm', float('nan')):6.2f} {r.get('TFLOPs_scaled_mm', float('nan')):6.0f}")
+    best = {}
+    for r in ROWS:
+        if r["part"] == "sweep" and "us" in r:
+            key = (r["shape"], r["M"])
+            if key not in best or r["us"] < best[key]["us"]:
+                best[key] = r
+    for (shape, m), r in best.items():
+        lines.append(f"sweep best {shape:18s} M={m:5d} {r['us']:8.2f} us  {r['config']}  diff%={100 * r['frac_diff']:.3f}")
+    lines.append(f"command: OUT={OUT} python scripts/gpu_check_shared.py --budget {ARGS.budget:g}"
+                 + (" --quick" if ARGS.quick else ""))
+    txt = "\n".join(lines)
+    print(txt)
+    with open(os.path.join(OUT, "gpu_check_shared.txt"), "w") as f:
+        f.write(txt + "\n")
+
+
+def main():
+    global ARGS
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--budget", type=float, default=230.0, help="seconds; later sections skip when short")
+    p.add_argument("--quick", action="store_true", help="correctness only (no timing, no sweep)")
+    p.add_argument("--parts", default="hw,swiglu,gemm,t_swiglu,t_gemm,sweep")
+    p.add_argument("--scaled-mm-layout", default="kn_cm4", choices=WEIGHT_SCALE_LAYOUTS)
+    ARGS = p.parse_args()
+    os.makedirs(OUT, exist_ok=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    props = torch.cuda.get_device_properties(0)
+    add(dict(part="env", gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__,
+             cuda=torch.version.cuda, python=sys.version.split()[0],
+             triton=__import__("triton").__version__))
+    parts = ARGS.parts.split(",")
+    if ARGS.quick:
+        parts = [q for q in parts if q in ("hw", "swiglu", "gemm")]
+    copy_tbps = 4.28
+    for part in parts:
+        log("=== part", part)
+        try:
+            if part == "hw":
+                copy_tbps = part_hw()
+            elif part == "swiglu":
+                part_swiglu_correctness()
+            elif part == "gemm":
+                part_gemm_correctness()
+            elif part == "t_swiglu":
+                part_swiglu_timing(copy_tbps)
+            elif part == "t_gemm":
+                part_gemm_timing()
+            elif part == "sweep":
+                part_sweep()
+        except Exception as e:
+            add(dict(part=part, error=f"{type(e).__name__}: {e}"[:800], trace=traceback.format_exc()[-2000:]))
+            torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    summary()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""finalize (kernels/finalize.py) under TRITON_INTERPRET=1: fused == unfused bitwise and
+== the reference (finalize + shared add + one rounding) bitwise; non-local routes skipped."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from dsv4_moe import reference as ref  # noqa: E402
+from dsv4_moe.kernels.finalize import (add_shared_round, finalize_partial, finalize_shared_add,  # noqa: E402
+                                       finalize_unfused)
+
+
+def _case(t, k, h, e, seed):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(t, k, h, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).sort(1).values
+    shared = torch.randn(t, h, generator=g).bfloat16()
+    return y, ids, shared
+
+
+def _bits_equal(a, b, what):
+    av, bv = a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32), \
+        b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32)
+    bad = torch.nonzero(av != bv)
+    assert bad.numel() == 0, (f"{what}: {bad.shape[0]} differing elements, first at {bad[0].tolist()}: "
+                              f"{a[tuple(bad[0])].item()} vs {b[tuple(bad[0])].item()}")
+
+
+@pytest.mark.parametrize("t,h", [(1, 256), (5, 2880 // 9), (70, 200)])
+def test_fused_equals_unfused_and_reference(t, h):
+    k, e, first, nl = 6, 16, 4, 8  # this rank owns 4..11: some routes are not local
+    y, ids, shared = _case(t, k, h, e, t)
+    y[~ref.local_mask(ids, first, nl)] = float("nan")  # non-local rows are garbage: must never be read
+    fused = finalize_shared_add(y, ids, first, nl, shared)
+    unfused = finalize_unfused(y, ids, first, nl, shared)
+    _bits_equal(fused, unfused, "fused vs unfused")
+    acc_ref = ref.finalize(torch.nan_to_num(y), ids, first, nl)
+    _bits_equal(finalize_partial(y, ids, first, nl), acc_ref, "partial vs reference")
+    _bits_equal(fused, (acc_ref + shared.float()).bfloat16(), "fused vs reference")
+    _bits_equal(finalize_shared_add(y, ids.int(), first, nl), acc_ref.bfloat16(), "no shared")
+
+
+def test_negative_zero_sum_kept():
+    # all local slots -0.0: acc = +0.0 + -0.0 = +0.0 ... a skipped slot must not add +0.0 either
+    y = torch.full((1, 2, 32), -0.0).bfloat16()
+    ids = torch.tensor([[0, 9]])
+    out = finalize_partial(y, ids, 0, 8)
+    _bits_equal(out, ref.finalize(y, ids, 0, 8), "signed zero")
+
+
+def test_ep_split_equals_fused():
+    y, ids, shared = _case(9, 4, 128, 8, 1)
+    acc = finalize_partial(y, ids, 0, 8)
+    _bits_equal(add_shared_round(acc, shared), finalize_shared_add(y, ids, 0, 8, shared), "EP split")
+
+
+def test_zero_tokens_and_guards():
+    y = torch.empty(0, 6, 64, dtype=torch.bfloat16)
+    assert finalize_shared_add(y, torch.empty(0, 6, dtype=torch.long), 0, 8).shape == (0, 64)
+    y, ids, shared = _case(2, 3, 64, 8, 0)
+    with pytest.raises(ValueError, match="y"):
+        finalize_shared_add(y.float(), ids, 0, 8)
+    with pytest.raises(ValueError, match="topk_ids"):
+        finalize_shared_add(y, ids[:, :2], 0, 8)
+    with pytest.raises(ValueError, match="shared_out"):
+        finalize_shared_add(y, ids, 0, 8, shared.float())
+    with pytest.raises(ValueError, match="num_local"):
+        finalize_partial(y, ids, 0, 0)
+    with pytest.raises(ValueError, match="acc"):
+        add_shared_round(shared, None)

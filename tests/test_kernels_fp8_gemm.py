@@ -1,0 +1,117 @@
+"""fp8_block_gemm_nt (Triton) vs dsv4_moe.reference.fp8_gemm.
+
+The interpreter runs tl.dot on fp8 operands exactly (fp16 products, fp32 numpy
+matmul) and the kernel's bf16 output rounding is done in software there, so on CPU the
+only freedom is the in-block fp32 sum order (SPEC §4.3): the bound below is <= 1% of
+bf16 outputs differing, by at most 1 bf16 ulp. A wrong scale, a swapped block index or
+a missing K tail changes most outputs by many ulps.
+"""
+
+import _triton_interp  # noqa: F401
+import pytest
+import torch
+
+from dsv4_moe import reference as ref
+from dsv4_moe.kernels.act_quant import act_quant
+from dsv4_moe.kernels.fp8_block_gemm import choose_config, fp8_block_gemm_nt
+from dsv4_moe.kernels.scaled_mm_fp8 import scaled_mm_supported
+from dsv4_moe.kernels.deep_gemm_fp8 import deep_gemm_supported
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+MAX_DIFF_FRACTION = 0.01
+MAX_ULP = 1
+
+
+def bf16_ulp_diff(a, b):
+    """Distance in bf16 ulps (monotone integer mapping of the bit patterns)."""
+    def key(t):
+        i = t.contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(i < 0, -32768 - i, i)
+    return (key(a) - key(b)).abs()
+
+
+def make_case(m, n, k, seed, sw_dtype=torch.float8_e8m0fnu):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) * 2).bfloat16()
+    q, sa = ref.act_quant(x)
+    w = (torch.randn(n, k, generator=g) * 0.7).to(torch.float8_e4m3fn)
+    sw = torch.randint(118, 126, (-(-n // 128), -(-k // 128)), generator=g, dtype=torch.uint8)
+    sw = sw.view(torch.float8_e8m0fnu) if sw_dtype != torch.float32 else \
+        ref.gemm._scales_f32(sw.view(torch.float8_e8m0fnu))
+    return q, sa, w, sw
+
+
+def check(m, n, k, seed=0, config=None, sw_dtype=torch.float8_e8m0fnu):
+    q, sa, w, sw = make_case(m, n, k, seed, sw_dtype)
+    want = ref.fp8_gemm(q, sa, w, sw)
+    got = fp8_block_gemm_nt(q.to(DEV), sa.to(DEV), w.to(DEV), sw.to(DEV), config=config).cpu()
+    ulp = bf16_ulp_diff(got, want)
+    frac = (ulp > 0).float().mean().item()
+    assert frac <= MAX_DIFF_FRACTION and ulp.max().item() <= MAX_ULP, (
+        f"M={m} N={n} K={k}: {frac:.4f} of outputs differ, max {ulp.max().item()} ulp; first at "
+        f"{tuple((ulp > 0).nonzero()[0].tolist()) if frac else None}")
+    return got, want
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 128, 128), (3, 256, 384), (17, 384, 256), (5, 200, 300), (33, 768, 384)])
+def test_matches_reference(m, n, k):
+    check(m, n, k, seed=m + n + k)
+
+
+def test_float32_weight_scales_and_forced_config():
+    check(20, 256, 256, sw_dtype=torch.float32, config=dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=2, num_warps=4,
+                                                           num_stages=2))
+
+
+def test_column_major_padded_activation_scales():
+    q, sa, w, sw = make_case(5, 128, 256, seed=4)
+    _, sa_cm = act_quant(torch.zeros(5, 256, dtype=torch.bfloat16, device=DEV), scale_fmt="fp32_cm")
+    sa_cm[:5] = sa.to(DEV)
+    want = ref.fp8_gemm(q, sa, w, sw)
+    got = fp8_block_gemm_nt(q.to(DEV), sa_cm, w.to(DEV), sw.to(DEV)).cpu()
+    assert bf16_ulp_diff(got, want).max().item() <= MAX_ULP
+
+
+def test_wrong_scale_is_caught():
+    # The bound above must not hide a scale error: a 2x weight scale moves every output.
+    q, sa, w, sw = make_case(4, 128, 256, seed=9)
+    want = ref.fp8_gemm(q, sa, w, sw)
+    sw2 = (sw.view(torch.uint8) + 1).view(torch.float8_e8m0fnu)
+    got = fp8_block_gemm_nt(q.to(DEV), sa.to(DEV), w.to(DEV), sw2.to(DEV)).cpu()
+    assert (bf16_ulp_diff(got, want) > 0).float().mean().item() > 0.9
+
+
+def test_m0_no_launch(monkeypatch):
+    import dsv4_moe.kernels._fp8_block_gemm as body
+
+    monkeypatch.setattr(body, "launch_fp8_block_gemm", lambda *a, **k: pytest.fail("launched for M=0"))
+    q, sa, w, sw = make_case(1, 128, 128, seed=1)
+    out = fp8_block_gemm_nt(q[:0].to(DEV), sa[:0].to(DEV), w.to(DEV), sw.to(DEV))
+    assert out.shape == (0, 128) and out.dtype == torch.bfloat16
+
+
+def test_choose_config_shapes():
+    assert choose_config(1, 4096, 4096)["BLOCK_N"] == 32    # 128 programs on 132 SMs
+    assert choose_config(1, 768, 7168)["BLOCK_N"] == 16     # V4-Pro TP8 gate_up
+    assert choose_config(8192, 4096, 4096)["BLOCK_M"] == 128
+
+
+def test_wrapper_errors_name_the_argument():
+    q, sa, w, sw = make_case(2, 128, 256, seed=2)
+    with pytest.raises(ValueError, match="q.dtype"):
+        fp8_block_gemm_nt(q.float(), sa, w, sw)
+    with pytest.raises(ValueError, match="same K"):
+        fp8_block_gemm_nt(q, sa, w[:, :128], sw)
+    with pytest.raises(ValueError, match="sa must be float32"):
+        fp8_block_gemm_nt(q, sa[:, :1], w, sw)
+    with pytest.raises(ValueError, match="sw.shape"):
+        fp8_block_gemm_nt(q, sa, w, sw[:, :1])
+    with pytest.raises(ValueError, match="sw.dtype"):
+        fp8_block_gemm_nt(q, sa, w, sw.view(torch.int8))
+
+
+def test_optional_paths_say_why_on_cpu():
+    ok, why = scaled_mm_supported(4, 4096, 4096, "cpu")
+    assert not ok and "CUDA" in why
+    ok, why = deep_gemm_supported(4, 4096, 4096, "cpu")
+    assert not ok and why

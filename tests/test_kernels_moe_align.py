@@ -1,0 +1,85 @@
+"""moe_align (kernels/moe_align.py) under TRITON_INTERPRET=1: tested by invariants."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from dsv4_moe.kernels.moe_align import align_sizes, moe_align  # noqa: E402
+
+
+def _ids(t, k, e, seed):
+    g = torch.Generator().manual_seed(seed)
+    if t == 0:
+        return torch.empty(0, k, dtype=torch.int32)
+    return torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).sort(1).values.int()
+
+
+def _check(ids, num_local, first, bm, tw=None):
+    a = moe_align(ids, num_local, first, bm, tw)
+    t, k = ids.shape
+    r = t * k
+    flat = ids.flatten().long()
+    local = (flat >= first) & (flat < first + num_local)
+    key = torch.where(local, flat - first, torch.full_like(flat, -1))
+    hist = torch.bincount(key[local], minlength=num_local)
+    assert torch.equal(a.expert_counts.long(), hist), (a.expert_counts, hist)
+    padded = (hist + bm - 1) // bm * bm
+    offs = torch.cat([torch.zeros(1, dtype=torch.long), padded.cumsum(0)])
+    assert torch.equal(a.expert_offsets.long(), offs), "offsets != prefix sums of padded histogram"
+    nvb = int(a.num_valid_blocks.item())
+    assert nvb * bm == offs[-1].item()
+    assert a.max_blocks == align_sizes(r, num_local, bm)[0] and nvb <= a.max_blocks
+    rows = a.route_rows.long()
+    assert torch.equal(rows[~local], torch.full_like(rows[~local], -1)), "non-local routes must be skipped"
+    sri = a.sorted_route_ids.long()
+    # inverse permutation on local routes; rows of one expert in route order
+    assert torch.equal(sri[rows[local]], torch.nonzero(local).flatten())
+    for e in range(num_local):
+        seg = sri[offs[e]:offs[e] + hist[e]]
+        assert torch.equal(seg, torch.nonzero(key == e).flatten()), f"expert {e} rows"
+        assert (sri[offs[e] + hist[e]:offs[e + 1]] == r).all(), f"expert {e} padding not marked"
+        assert (a.row_expert[offs[e]:offs[e] + hist[e]] == e).all()
+        assert (a.row_expert[offs[e] + hist[e]:offs[e + 1]] == -1).all()
+        assert (a.block_expert[offs[e] // bm:offs[e + 1] // bm] == e).all()
+    assert (sri[nvb * bm:] == r).all() and (a.block_expert[nvb:] == -1).all()
+    if tw is not None:
+        fw = tw.flatten()
+        assert torch.equal(a.row_weight[rows[local]], fw[local])
+        assert (a.row_weight[sri == r] == 0).all()
+    return a
+
+
+@pytest.mark.parametrize("t,k,e,bm", [(1, 6, 16, 16), (5, 3, 8, 4), (33, 6, 16, 16), (200, 4, 16, 8)])
+def test_invariants(t, k, e, bm):
+    ids = _ids(t, k, e, t)
+    tw = torch.rand(t, k)
+    _check(ids, e, 0, bm, tw)
+
+
+def test_routes_to_other_ranks_skipped():
+    ids = _ids(40, 6, 32, 1)
+    a = _check(ids, 8, 8, 16)  # this rank owns experts 8..15
+    assert (a.route_rows >= 0).sum() < ids.numel()
+
+
+def test_all_tokens_one_expert():
+    ids = torch.tensor([[0, 3], [0, 5], [0, 7]] * 30, dtype=torch.int32)  # 90 tokens, >1 chunk
+    a = _check(ids, 8, 0, 16)
+    assert a.expert_counts[0] == 90
+
+
+def test_zero_tokens_no_launch():
+    a = moe_align(torch.empty(0, 6, dtype=torch.int32), 8, 0, 16)
+    assert a.max_rows == 0 and a.num_valid_blocks.item() == 0
+
+
+@pytest.mark.parametrize("bad", [dict(num_local=0), dict(block_m=12), dict(first_expert=-1)])
+def test_bad_args(bad):
+    kw = dict(num_local=8, first_expert=0, block_m=16) | bad
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=name):
+        moe_align(_ids(2, 2, 8, 0), **kw)
+    with pytest.raises(ValueError, match="topk_ids"):
+        moe_align(torch.zeros(2, 2), 8, 0, 16)

@@ -1,0 +1,143 @@
+"""mxfp4_grouped_gemm and routed_experts_forward under TRITON_INTERPRET=1 vs the reference.
+
+The interpreter runs the FP8 dot in fp32 and the kernel rounds to bf16 with RNE on the
+bits (its cast truncates), so on CPU the kernel is expected to equal the reference
+`fp4_gemm` bit for bit; the bound below (<= 0.1 % of elements, each <= 1 bf16 ulp)
+leaves room only for an in-32-block summation-order flip. Negative controls show the
+same bound catches swapped nibbles and a scale off by one 32-group.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from dsv4_moe import reference as ref  # noqa: E402
+from dsv4_moe.kernels.moe_align import moe_align  # noqa: E402
+from dsv4_moe.kernels.mxfp4_grouped_gemm import GemmConfig, mxfp4_grouped_gemm, select_config  # noqa: E402
+from dsv4_moe.kernels.routed_experts import routed_experts_forward  # noqa: E402
+from dsv4_moe.weights.tensors import RoutedExpertWeights  # noqa: E402
+
+MAX_FRAC, MAX_ULP = 1e-3, 1
+
+
+def _weights(e, n, k, g):
+    w = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, generator=g)
+    s = torch.randint(118, 125, (e, n, k // 32), dtype=torch.uint8, generator=g).view(torch.float8_e8m0fnu)
+    return w, s
+
+
+def _ids(t, k, e, g):
+    return torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).sort(1).values
+
+
+def _ulp_diff(a, b):
+    ai = a.view(torch.int16).int()
+    bi = b.view(torch.int16).int()
+    return (ai - bi).abs()
+
+
+def _assert_close(out, exp, what):
+    d = _ulp_diff(out, exp)
+    frac = (d != 0).float().mean().item()
+    assert frac <= MAX_FRAC and d.max().item() <= MAX_ULP, (
+        f"{what}: {frac:.4%} of elements differ, max {d.max().item()} bf16 ulp; first at "
+        f"{torch.nonzero(d)[0].tolist() if frac else None}")
+
+
+def _per_route_reference(q, sa, w, s, ids, gather):
+    """Row r of the expected output: fp4_gemm of route r's input row with its expert."""
+    t, k = ids.shape
+    rows = []
+    for r in range(t * k):
+        e = ids.flatten()[r].item()
+        i = r // k if gather else r
+        rows.append(ref.fp4_gemm(q[i:i + 1], sa[i:i + 1], w[e], s[e]))
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("t,k,bm", [(1, 3, 16), (5, 4, 16), (33, 6, 32)])
+def test_gate_up_gather_vs_reference(t, k, bm):
+    g = torch.Generator().manual_seed(t)
+    e, h, n = 8, 256, 256
+    w, s = _weights(e, n, h, g)
+    q, sa = ref.act_quant(torch.randn(t, h, generator=g).bfloat16())
+    ids = _ids(t, k, e, g)
+    a = moe_align(ids.int(), e, 0, bm)
+    out = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=GemmConfig(bm, 128))
+    exp = _per_route_reference(q, sa, w, s, ids, gather=True)
+    _assert_close(out[a.route_rows.long()], exp, "gate_up")
+    # negative controls: the same bound must reject swapped nibbles and shifted scales
+    w_sw = ((w & 0xF) << 4) | (w >> 4)
+    _assert_far(out[a.route_rows.long()], _per_route_reference(q, sa, w_sw, s, ids, True), "swapped nibbles")
+    s_sh = torch.roll(s.view(torch.uint8), 1, dims=2).view(torch.float8_e8m0fnu)
+    _assert_far(out[a.route_rows.long()], _per_route_reference(q, sa, w, s_sh, ids, True), "shifted scales")
+
+
+def _assert_far(out, wrong, what):
+    d = _ulp_diff(out, wrong)
+    assert (d != 0).float().mean().item() > 0.5, f"{what} not detected by the bound"
+
+
+def test_down_i384_scatter_vs_reference():
+    # K = I = 384: 12 weight-scale groups over 3 activation blocks, not a power of two
+    g = torch.Generator().manual_seed(7)
+    e, t, k, kk, n = 8, 6, 4, 384, 128
+    w, s = _weights(e, n, kk, g)
+    ids = _ids(t, k, e, g)
+    ids[:, 0] = 9  # slot 0 goes to another rank's expert: never written
+    a = moe_align(ids.int(), e, 0, 16)
+    q, sa = ref.act_quant(torch.randn(a.max_rows, kk, generator=g).bfloat16())
+    sentinel = torch.full((t * k, n), 7.0, dtype=torch.bfloat16)
+    out = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=False, scatter_out=True, out=sentinel.clone(),
+                             config=GemmConfig(16, 128))
+    local = ids.flatten() < e
+    rows = a.route_rows.long()[local]
+    exp = torch.cat([ref.fp4_gemm(q[i:i + 1], sa[i:i + 1], w[ei], s[ei])
+                     for i, ei in zip(rows.tolist(), ids.flatten()[local].tolist())])
+    _assert_close(out[local], exp, "down K=384")
+    assert torch.equal(out[~local], sentinel[~local]), "non-local slots must not be written"
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_routed_forward_vs_reference(t):
+    g = torch.Generator().manual_seed(11 + t)
+    e, h, i, k = 8, 256, 128, 3
+    gu, gus = _weights(e, 2 * i, h, g)
+    dn, dns = _weights(e, h, i, g)
+    routed = RoutedExpertWeights(gu, gus, dn, dns, first_expert=2, num_experts=12)  # owns 2..9
+    x = torch.randn(t, h, generator=g).bfloat16() * 4  # large enough that the clamp (L=10) is active
+    q, sa = ref.act_quant(x)
+    ids = _ids(t, k, 12, g)
+    tw = torch.rand(t, k, generator=g)
+    y = routed_experts_forward(q, sa, tw, ids, routed, 10.0)
+    yr = ref.routed_forward(q, sa, tw, ids, routed, 10.0)
+    local = ref.local_mask(ids, 2, e)
+    _assert_close(y[local], yr[local], "routed_forward")
+
+
+def test_zero_tokens_no_launch_and_guards():
+    g = torch.Generator().manual_seed(0)
+    w, s = _weights(4, 64, 64, g)
+    a = moe_align(torch.empty(0, 2, dtype=torch.int32), 4, 0, 16)
+    q = torch.empty(0, 64, dtype=torch.float8_e4m3fn)
+    out = mxfp4_grouped_gemm(q, torch.empty(0, 1), w, s, a, gather_a=True, scatter_out=True)
+    assert out.shape == (0, 64)
+    a = moe_align(torch.zeros(2, 2, dtype=torch.int32), 4, 0, 16)
+    q, sa = ref.act_quant(torch.randn(2, 64).bfloat16())
+    with pytest.raises(ValueError, match="q"):
+        mxfp4_grouped_gemm(q.float(), sa, w, s, a, gather_a=True, scatter_out=True)
+    with pytest.raises(ValueError, match="sa"):
+        mxfp4_grouped_gemm(q, sa.double(), w, s, a, gather_a=True, scatter_out=True)
+    with pytest.raises(ValueError, match="w4"):
+        mxfp4_grouped_gemm(q, sa, w[:, :, :16], s, a, gather_a=True, scatter_out=True)
+    with pytest.raises(ValueError, match="sw"):
+        mxfp4_grouped_gemm(q, sa, w, s[:, :, :1], a, gather_a=True, scatter_out=True)
+    with pytest.raises(ValueError, match="block_m"):
+        mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=True, config=GemmConfig(32, 64))
+
+
+def test_select_config_decode_vs_prefill():
+    assert select_config(6, 256, 4096, 4096).block_m == 16
+    assert select_config(32768 * 6, 256, 4096, 4096).block_m == 128

@@ -1,0 +1,87 @@
+"""route_topk (kernels/router.py) vs dsv4_moe.reference.route under TRITON_INTERPRET=1.
+
+The reference sums logits in float64 (correctly rounded), the kernel path in fp32, so
+scores can differ in the last bits: ids must match except on (near-)ties, which are
+counted and bounded; weights are compared to a tight relative bound (a few fp32 ulps).
+Given the *same* scores the kernel is bitwise the reference (renormalisation order is
+pinned), which is tested by feeding logits that are exact in fp32.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from dsv4_moe import reference as ref  # noqa: E402
+from dsv4_moe.kernels.router import route_topk  # noqa: E402
+
+SCALE = 1.5
+
+
+def _inputs(t, h, e, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g).bfloat16()
+    w = (torch.randn(e, h, generator=g) * 0.05).bfloat16()
+    bias = torch.randn(e, generator=g) * 0.1
+    return x, w, bias
+
+
+@pytest.mark.parametrize("t,e,k", [(1, 8, 3), (5, 16, 6), (33, 16, 4), (17, 384, 6)])
+def test_biased_topk_vs_reference(t, e, k):
+    x, w, bias = _inputs(t, 256, e, t + e)
+    tw, ids = route_topk(x, w, bias, None, None, k, SCALE)
+    rw, rids = ref.route(x, w, bias, None, None, k, SCALE)
+    assert ids.dtype == torch.int32 and tw.dtype == torch.float32
+    assert torch.equal(ids, ids.sort(1).values), "ids must be ascending per token"
+    mism = (ids.long() != rids).any(1)
+    # a mismatch is allowed only where the k-th and (k+1)-th biased scores tie within fp32 noise
+    biased = ref.router_scores(x, w) + bias
+    top = biased.topk(k + 1, dim=1).values
+    near_tie = (top[:, k - 1] - top[:, k]).abs() <= 1e-5 * top[:, k - 1].abs()
+    assert not (mism & ~near_tie).any(), f"id mismatch off a tie at tokens {torch.nonzero(mism & ~near_tie).flatten().tolist()}"
+    ok = ~mism
+    rel = ((tw[ok] - rw[ok]).abs() / rw[ok].abs()).max().item() if ok.any() else 0.0
+    assert rel <= 4e-6, f"weights differ by {rel:.3g} relative (fp32 summation order allows a few ulp)"
+
+
+def test_exact_scores_bitwise():
+    # one-hot gate rows make every logit an exact bf16 value, so scores are equal bit for bit
+    t, e, k = 9, 16, 4
+    x, _, bias = _inputs(t, 64, e, 0)
+    w = torch.zeros(e, 64)
+    w[torch.arange(e), torch.arange(e)] = 1.0
+    w = w.bfloat16()
+    tw, ids = route_topk(x, w, bias, None, None, k, SCALE)
+    rw, rids = ref.route(x, w, bias, None, None, k, SCALE)
+    assert torch.equal(ids.long(), rids) and torch.equal(tw, rw)
+
+
+def test_hash_routing_vs_reference():
+    t, e, k, vocab = 7, 16, 6, 50
+    x, w, _ = _inputs(t, 128, e, 3)
+    g = torch.Generator().manual_seed(5)
+    tid2eid = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(vocab)])  # unsorted rows
+    input_ids = torch.randint(0, vocab, (t,), generator=g)
+    tw, ids = route_topk(x, w, None, tid2eid, input_ids, k, SCALE)
+    rw, rids = ref.route(x, w, None, tid2eid, input_ids, k, SCALE)
+    assert torch.equal(ids.long(), rids)
+    assert ((tw - rw).abs() / rw).max() <= 4e-6
+
+
+def test_zero_tokens():
+    x, w, bias = _inputs(0, 64, 8, 0)
+    tw, ids = route_topk(x, w, bias, None, None, 2, SCALE)
+    assert tw.shape == (0, 2) and ids.shape == (0, 2)
+
+
+def test_guards():
+    x, w, bias = _inputs(2, 64, 8, 0)
+    with pytest.raises(ValueError, match="x"):
+        route_topk(x.float(), w, bias, None, None, 2, SCALE)
+    with pytest.raises(ValueError, match="top_k"):
+        route_topk(x, w, bias, None, None, 9, SCALE)
+    with pytest.raises(ValueError, match="bias"):
+        route_topk(x, w, bias.double(), None, None, 2, SCALE)
+    with pytest.raises(ValueError, match="input_ids"):
+        route_topk(x, w, None, torch.zeros(10, 2, dtype=torch.long), None, 2, SCALE)

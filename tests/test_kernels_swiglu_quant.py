@@ -1,0 +1,182 @@
+"""swiglu_quant (fused Triton) and swiglu_quant_unfused vs dsv4_moe.reference.swiglu_quant.
+
+On CPU (TRITON_INTERPRET=1) the fused kernel computes exp with numpy, not torch's CPU
+exp, so inputs here use gate values on which the two agree bit for bit (checked by the
+`_agreeing_gates` fixture); everything else (clamps, silu, route weight, bf16 rounding,
+scales, codes, filtering) is then compared bitwise. On the GPU both sides use CUDA's
+expf (scripts/gpu_check_shared.py checks all shapes bitwise).
+"""
+
+import _triton_interp  # noqa: F401
+import numpy as np
+import pytest
+import torch
+
+from dsv4_moe import reference as ref
+from dsv4_moe.kernels.swiglu_quant import choose_strategy, swiglu_quant, swiglu_quant_unfused
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+STRATEGIES = ["group", "persistent"]
+
+
+def assert_bytes_equal(a, b, what):
+    a8, b8 = a.cpu().contiguous().view(torch.uint8), b.cpu().contiguous().view(torch.uint8)
+    bad = (a8 != b8).nonzero()
+    assert bad.numel() == 0, (f"{what}: {bad.shape[0]} of {a8.numel()} bytes differ; first at "
+                              f"{tuple(bad[0].tolist())}: got {a8[tuple(bad[0])].item():#04x} "
+                              f"want {b8[tuple(bad[0])].item():#04x}")
+
+
+def _gate_up(m, i, seed, gate_scale=4.0, up_scale=4.0):
+    """bf16 [m, 2i]; gates whose fp32 exp(-g) is identical in numpy and torch."""
+    g = torch.Generator().manual_seed(seed)
+    gate = (torch.randn(m * i * 3, generator=g) * gate_scale).bfloat16().float()
+    if not torch.cuda.is_available():
+        gc = gate.clamp(max=10.0)
+        same = torch.from_numpy(np.exp(-gc.numpy())) == torch.exp(-gc)
+        gate = gate[same]
+    gate = gate[: m * i].view(m, i)
+    up = torch.randn(m, i, generator=g) * up_scale
+    return torch.cat([gate, up], 1).bfloat16()
+
+
+def run_both(x, **kw):
+    out = {}
+    for strat in STRATEGIES:
+        out[strat] = swiglu_quant(x.to(DEV), strategy=strat, **kw)
+    out["unfused"] = swiglu_quant_unfused(x.to(DEV), **kw)
+    return out
+
+
+@pytest.mark.parametrize("m,i", [(1, 128), (3, 384), (9, 256), (4, 200)])
+def test_matches_reference_bitwise(m, i):
+    x = _gate_up(m, i, seed=m * 7 + i)
+    rq, rs = ref.swiglu_quant(x, 10.0)
+    for name, (q, s) in run_both(x).items():
+        assert_bytes_equal(s, rs, f"{name} scales m={m} i={i}")
+        assert_bytes_equal(q, rq, f"{name} codes m={m} i={i}")
+
+
+def test_route_weight_applied_before_rounding():
+    x = _gate_up(6, 384, seed=3)
+    w = torch.rand(6) + 0.25
+    rq, rs = ref.swiglu_quant(x, 10.0, w)
+    for name, (q, s) in run_both(x, route_weight=w.to(DEV)).items():
+        assert_bytes_equal(s, rs, f"{name} scales")
+        assert_bytes_equal(q, rq, f"{name} codes")
+    _, s_now = ref.swiglu_quant(x, 10.0)
+    assert not torch.equal(s_now, rs)  # the weight really changes the result
+
+
+def test_clamp_active_and_no_lower_gate_clamp():
+    i = 128
+    x = torch.zeros(3, 2 * i)
+    x[0, :i] = 50.0        # gate clamped to 10 from above
+    x[0, i:] = torch.linspace(-40, 40, i)   # up clamped to [-10, 10]
+    x[1, :i] = -60.0       # very negative gate: NOT clamped to -10 -> silu ~ -5e-25
+    x[1, i:] = 1.0
+    x[2, :i] = 0.0         # silu(0) = 0 -> all-zero group -> floor scale
+    x[2, i:] = 5.0
+    x = x.bfloat16()
+    rq, rs = ref.swiglu_quant(x, 10.0)
+    for name, (q, s) in run_both(x).items():
+        assert_bytes_equal(s, rs, f"{name} scales")
+        assert_bytes_equal(q, rq, f"{name} codes")
+        # gate -60: silu(-60) ~ -5.3e-25, below the 1e-4 amax floor -> scale 2^-22. A
+        # lower clamp at -10 would give silu(-10) = -4.54e-4 -> scale 2^-19.
+        assert s[1, 0].item() == 2.0 ** -22
+        assert s[2, 0].item() == 2.0 ** -22
+
+
+def test_nan_and_inf_inputs():
+    i = 128
+    x = torch.full((2, 2 * i), 1.0)
+    x[0, 3] = float("nan")          # NaN gate -> NaN h -> NaN code, ignored by amax
+    x[1, i + 4] = float("inf")      # inf up -> clamped to 10
+    x = x.bfloat16()
+    rq, rs = ref.swiglu_quant(x, 10.0)
+    for name, (q, s) in run_both(x).items():
+        assert_bytes_equal(s, rs, f"{name} scales")
+        q8 = q.cpu().view(torch.uint8)
+        assert (q8[0, 3].item() & 0x7F) == 0x7F
+        rq8 = rq.view(torch.uint8).clone()
+        rq8[0, 3] = q8[0, 3]  # sign of a computed NaN is platform-defined
+        assert_bytes_equal(q8, rq8, f"{name} codes")
+
+
+@pytest.mark.parametrize("scale_fmt", ["e8m0", "fp32_cm", "amax"])
+def test_scale_formats_fused_equals_unfused(scale_fmt):
+    x = _gate_up(5, 384, seed=11)
+    res = run_both(x, scale_fmt=scale_fmt)
+    q0, s0 = res["unfused"]
+    for name in STRATEGIES:
+        q, s = res[name]
+        assert s.dtype == s0.dtype and s.shape == s0.shape and s.stride() == s0.stride()
+        assert_bytes_equal(s, s0, f"{name} {scale_fmt} scales")
+        assert_bytes_equal(q, q0, f"{name} {scale_fmt} codes")
+    _, rs = ref.swiglu_quant(x, 10.0)
+    if scale_fmt == "e8m0":
+        assert_bytes_equal(s0, ref.quant.scale_to_e8m0_bits(rs), "e8m0 vs reference")
+    elif scale_fmt == "fp32_cm":
+        assert s0.shape == (8, 3) and s0.stride() == (1, 8)
+        assert_bytes_equal(s0[:5], rs, "fp32_cm vs reference")
+
+
+@pytest.mark.parametrize("with_map", [False, True])
+def test_filtered_rows_left_untouched(with_map):
+    m, i = 8, 256
+    x = _gate_up(m, i, seed=5)
+    w = torch.rand(m)
+    ids = torch.tensor([0, -1, 3, 2, -1, 1, 3, 0], dtype=torch.int32)
+    emap = torch.tensor([0, -1, 1, -1], dtype=torch.int32) if with_map else None
+    keep = ids >= 0
+    if with_map:
+        keep &= emap[ids.clamp_min(0).long()] >= 0
+    rq, rs = ref.swiglu_quant(x, 10.0, w)
+    for name in STRATEGIES + ["unfused"]:
+        oq = torch.full((m, i), 0x5A, dtype=torch.uint8, device=DEV).view(torch.float8_e4m3fn)
+        os_ = torch.full((m, 2), -3.0, device=DEV)
+        kw = dict(route_weight=w.to(DEV), expert_ids=ids.to(DEV),
+                  expert_map=emap.to(DEV) if with_map else None, out_q=oq, out_s=os_)
+        if name == "unfused":
+            swiglu_quant_unfused(x.to(DEV), **kw)
+        else:
+            swiglu_quant(x.to(DEV), strategy=name, **kw)
+        q8, s = oq.cpu().view(torch.uint8), os_.cpu()
+        assert (q8[~keep] == 0x5A).all() and (s[~keep] == -3.0).all(), f"{name}: skipped rows were written"
+        assert_bytes_equal(q8[keep], rq.view(torch.uint8)[keep], f"{name} kept codes")
+        assert_bytes_equal(s[keep], rs[keep], f"{name} kept scales")
+
+
+def test_m0_no_launch(monkeypatch):
+    import dsv4_moe.kernels._swiglu_quant as body
+
+    monkeypatch.setattr(body, "launch_swiglu_quant", lambda *a, **k: pytest.fail("launched for M=0"))
+    q, s = swiglu_quant(torch.empty(0, 768, dtype=torch.bfloat16, device=DEV))
+    assert q.shape == (0, 384) and s.shape == (0, 3)
+    q, s = swiglu_quant_unfused(torch.empty(0, 768, dtype=torch.bfloat16, device=DEV))
+    assert q.shape == (0, 384) and s.shape == (0, 3)
+
+
+def test_strategy_rule():
+    assert choose_strategy(1, 2048, filtered=False) == "group"
+    assert choose_strategy(1, 384, filtered=True) == "persistent"
+    assert choose_strategy(8192, 2048, filtered=False) == "persistent"
+
+
+def test_wrapper_errors_name_the_argument():
+    x = torch.zeros(2, 256, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="gate_up.dtype"):
+        swiglu_quant(x.float())
+    with pytest.raises(ValueError, match="2I"):
+        swiglu_quant(torch.zeros(2, 255, dtype=torch.bfloat16, device=DEV))
+    with pytest.raises(ValueError, match="route_weight"):
+        swiglu_quant(x, route_weight=torch.ones(3, device=DEV))
+    with pytest.raises(ValueError, match="expert_ids"):
+        swiglu_quant(x, expert_ids=torch.zeros(2, dtype=torch.int64, device=DEV))
+    with pytest.raises(ValueError, match="expert_map given without expert_ids"):
+        swiglu_quant(x, expert_map=torch.zeros(4, dtype=torch.int32, device=DEV))
+    with pytest.raises(ValueError, match="strategy"):
+        swiglu_quant(x, strategy="fast")
+    with pytest.raises(ValueError, match="out_q"):
+        swiglu_quant(x, out_q=torch.empty(2, 256, dtype=torch.float8_e4m3fn, device=DEV))
