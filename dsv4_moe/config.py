@@ -115,7 +115,7 @@ class MoEConfig:
     @classmethod
     def tiny(cls) -> MoEConfig:
         """The embedded default checkpoint's shape: small, CPU-friendly, I=384 like Pro at TP8."""
-        return cls(hidden_size=512, moe_intermediate_size=384, n_routed_experts=16,
+        return cls(hidden_size=256, moe_intermediate_size=384, n_routed_experts=16,
                    routed_scaling_factor=1.5, num_hidden_layers=2, num_hash_layers=1,
                    vocab_size=1024, name="tiny")
 

@@ -86,6 +86,7 @@ class DispatchContext:
     tp_size: int = 1
     ep_size: int = 1
     is_hash: bool = False
+    routed_scale_range: tuple = (127, 127)  # min/max e8m0 byte of the routed weight scales
     extra: tuple = field(default=())
 
 

@@ -141,6 +141,11 @@ class DeepseekV4MoE(_NativeBuffers):
         self.first_expert = r.first_expert
         self.num_local_experts = r.num_local
         self.group = group
+        # one pass over the scale bytes at construction (not per forward): the MXFP4
+        # kernel's exactness depends on their range (see stages.ROUTED_SCALE_BYTES).
+        lo = min(int(t.view(torch.uint8).min()) for t in (r.gate_up_scale, r.down_scale)) if r.num_local else 127
+        hi = max(int(t.view(torch.uint8).max()) for t in (r.gate_up_scale, r.down_scale)) if r.num_local else 127
+        self.routed_scale_range = (lo, hi)
         self._register("router_", weights.router)
         self._register("routed_", r)
         self.shared_experts = DeepseekV4MLP(config, weights.shared, tp_size=weights.tp_size)
@@ -169,7 +174,8 @@ class DeepseekV4MoE(_NativeBuffers):
         return DispatchContext(device=self.device, num_tokens=num_tokens, hidden=c.hidden_size,
                                intermediate=c.local_intermediate(self.tp_size), num_experts=c.n_routed_experts,
                                num_local_experts=self.num_local_experts, top_k=c.num_experts_per_tok,
-                               tp_size=self.tp_size, ep_size=self.ep_size, is_hash=self.is_hash)
+                               tp_size=self.tp_size, ep_size=self.ep_size, is_hash=self.is_hash,
+                               routed_scale_range=self.routed_scale_range)
 
     # ------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor, input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -153,7 +153,16 @@ def swiglu_quant_unfused(gate_up, limit):
     return _kernel("swiglu_quant").swiglu_quant_unfused(gate_up, limit=limit)
 
 
+# The MXFP4 GEMM folds each e8m0 weight scale into a bf16 weight exactly only for scale
+# bytes in [2, 252] (kernels/_mxfp4_grouped_gemm.py); the layer measures the range once.
+ROUTED_SCALE_BYTES = (2, 252)
+
+
 def routed_experts_triton_supported(ctx: DispatchContext):
+    lo, hi = ctx.routed_scale_range
+    if lo < ROUTED_SCALE_BYTES[0] or hi > ROUTED_SCALE_BYTES[1]:
+        return False, (f"routed e8m0 scale bytes span [{lo}, {hi}], outside [{ROUTED_SCALE_BYTES[0]}, "
+                       f"{ROUTED_SCALE_BYTES[1]}] where the bf16 scale folding is exact")
     return _importable("routed_experts")
 
 

@@ -1,25 +1,40 @@
 """Triton body of fp8_block_gemm_nt: out[M, N] = bf16(sum over 128-wide K blocks of
 dot(q, w^T) * sa[m, kb] * sw[n // 128, kb]) (SPEC §4.3).
 
-One program per [BLOCK_M, BLOCK_N] output tile, grouped (GROUP_M) launch order for L2
-reuse of the weight tiles. The K loop steps one 128-wide scale block at a time:
+Two paths, one block-partial code (`_block_partial`), so their bits agree by construction:
 
-    partial = tl.dot(a[BM, 128], b[128, BN])      fp32 (wgmma on SM90)
-    acc    += partial * sa[:, None] * sw[None, :]
+* single-pass (SPLIT_K = 1): one program per [BLOCK_M, BLOCK_N] output tile, grouped
+  (GROUP_M) launch order for L2 reuse of the weight tiles, looping over every K block:
 
-NOTE: both scales are powers of two, so the products are exact (barring fp32
-under/overflow) and `(partial * sa) * sw`, `partial * (sa * sw)` and the FMA the
-compiler may form with `acc +=` all give the same bits; only the in-block sum order of
-the dot is free (SPEC §4.3). The block order is fixed (ascending kb) and there is no
-split-K, which would reorder the cross-block sum.
+      v   = dot(a[BM, 128], b[128, BN]) * sa[:, None] * sw[None, :]     (fp32)
+      acc = acc + v                                                      (kb ascending)
 
-NOTE: IMPRECISE is tl.dot's max_num_imprecise_acc. Triton's SM90 default (2^30) lets
-the fp8 wgmma accumulate a whole dot in the tensor core's reduced-precision
-accumulator; here the dot is one 128-wide block, so IMPRECISE=128 is that default
-(accumulate the block in the tensor core, as DeepGEMM does), while 32 promotes into
-fp32 registers after every wgmma (k = 32), as close to an fp32 in-block sum as the
-hardware gets. Triton requires 0 < IMPRECISE <= 128 here. gpu_check_shared.py
-measures both (accuracy and speed).
+* exact split-K (SPLIT_K > 1, decode): phase 1, grid (tiles, SPLIT_K), each program
+  computes v for its run of K blocks and stores it to an fp32 workspace ws[KB, M, N];
+  phase 2 (`_splitk_sum_kernel`) adds ws[0..KB-1] in ascending kb starting from 0.0
+  with plain fp32 adds and rounds once to bf16. That is the single-pass sequence of
+  roundings exactly, so both paths give the same bits (for the same tile config, which
+  fixes the MMA instruction and so the in-block sum order of the dot). A plain split-K
+  (sum each half, then add the halves) would reassociate the cross-block sum, which
+  SPEC §4.3 fixes.
+
+NOTE: both scales are powers of two, so v's two products are exact (barring fp32
+under/overflow). Kernels are launched with enable_fp_fusion=False anyway so that
+`acc + partial * sa * sw` is never contracted into an FMA: with an FMA the product is
+not rounded before the add, which would differ from the stored-then-added split-K value
+in the (unrealistic) underflow case; without it, bitwise equality holds unconditionally.
+The cost is one FMUL per accumulator element per 128-wide K block.
+
+NOTE: IMPRECISE is tl.dot's max_num_imprecise_acc. On Hopper the fp8 wgmma accumulates
+inside one instruction (k = 32) with reduced precision (measured on the H200 at
+M = 4096 vs the fp64-in-block reference: 2.5% of bf16 outputs differ with IMPRECISE=32,
+6.2% with 128 -- the same as torch's scaled_mm; at M <= 16 Triton uses mma.sync and
+0% differ). IMPRECISE=128 lets the tensor core accumulate the whole 128-wide block (as
+DeepGEMM and Triton's SM90 default do) and avoids a wgmma wait + fp32 add after every
+k = 32 step; IMPRECISE=32 promotes into fp32 registers after every wgmma, as close to
+an fp32 in-block sum as the hardware gets. 32 is the default (accuracy);
+fp8_block_gemm.FAST_PREFILL_IMPRECISE names the faster mode, and gpu_check_shared.py
+times both.
 """
 
 from __future__ import annotations
@@ -41,12 +56,35 @@ def _e8m0_to_f32(b):
 
 
 @triton.jit
+def _block_partial(a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, kb, K, stride_sak, stride_sbk,
+                   SB_E8M0: tl.constexpr, EVEN_K: tl.constexpr, IMPRECISE: tl.constexpr):
+    """v[BM, BN] = dot(q block kb, w block kb) * sa[:, kb] * sw[:, kb] (fp32).
+
+    a_ptrs / b_ptrs point at K block 0; the block offset is added here.
+    """
+    offs_k = tl.arange(0, 128)
+    if EVEN_K:
+        a = tl.load(a_ptrs + kb * 128)
+        b = tl.load(b_ptrs + kb * 128)
+    else:
+        k_left = K - kb * 128
+        a = tl.load(a_ptrs + kb * 128, mask=offs_k[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs + kb * 128, mask=offs_k[:, None] < k_left, other=0.0)
+    partial = tl.dot(a, b, max_num_imprecise_acc=IMPRECISE)
+    sa = tl.load(sa_ptrs + kb * stride_sak)
+    sb = tl.load(sb_ptrs + kb * stride_sbk)
+    if SB_E8M0:
+        sb = _e8m0_to_f32(sb)
+    return partial * sa[:, None] * sb[None, :]
+
+
+@triton.jit
 def _fp8_block_gemm_kernel(
-    a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr,
-    M, N, K, num_kb,
+    a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, ws_ptr,
+    M, N, K, num_kb, kb_per_split,
     stride_am, stride_bn, stride_sam, stride_sak, stride_sbn, stride_sbk, stride_cm,
     SB_E8M0: tl.constexpr, EVEN_K: tl.constexpr, IMPRECISE: tl.constexpr, SOFTWARE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -60,7 +98,7 @@ def _fp8_block_gemm_kernel(
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Wrapped (modulo) row/col indices: loads need no M/N mask; the store is masked.
+    # Wrapped (modulo) row/col indices: loads need no M/N mask; the stores are masked.
     am = (offs_m % M).to(tl.int64)
     bn = (offs_n % N).to(tl.int64)
     offs_k = tl.arange(0, 128)
@@ -68,32 +106,55 @@ def _fp8_block_gemm_kernel(
     b_ptrs = b_ptr + bn[None, :] * stride_bn + offs_k[:, None]
     sa_ptrs = sa_ptr + am * stride_sam
     sb_ptrs = sb_ptr + (bn // 128) * stride_sbn
+    out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, num_kb):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_left = K - kb * 128
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        partial = tl.dot(a, b, max_num_imprecise_acc=IMPRECISE)
-        sa = tl.load(sa_ptrs + kb * stride_sak)
-        sb = tl.load(sb_ptrs + kb * stride_sbk)
-        if SB_E8M0:
-            sb = _e8m0_to_f32(sb)
-        acc += partial * sa[:, None] * sb[None, :]
-        a_ptrs += 128
-        b_ptrs += 128
+    if SPLIT:
+        # Phase 1: the scaled partials of K blocks [kb_lo, kb_hi) -> ws[kb, m, n].
+        kb_lo = tl.program_id(1) * kb_per_split
+        kb_hi = min(kb_lo + kb_per_split, num_kb)
+        ws_ptrs = ws_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        for kb in range(kb_lo, kb_hi):
+            v = _block_partial(a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, kb, K, stride_sak, stride_sbk,
+                               SB_E8M0, EVEN_K, IMPRECISE)
+            tl.store(ws_ptrs + kb.to(tl.int64) * M * N, v, mask=out_mask)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, num_kb):
+            v = _block_partial(a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, kb, K, stride_sak, stride_sbk,
+                               SB_E8M0, EVEN_K, IMPRECISE)
+            acc = acc + v
+        # SOFTWARE (interpreter): RNE on the bits, then an exact narrowing (see round_to_bf16).
+        c = round_to_bf16(acc, SOFTWARE).to(tl.bfloat16)
+        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, c, mask=out_mask)
 
-    # SOFTWARE (interpreter): RNE on the bits, then an exact narrowing (see round_to_bf16).
+
+@triton.jit
+def _splitk_sum_kernel(ws_ptr, c_ptr, MN, N, stride_cm,
+                       NUM_KB: tl.constexpr, SOFTWARE: tl.constexpr, BLOCK: tl.constexpr):
+    """Phase 2: out[m, n] = bf16(((0 + ws[0,m,n]) + ws[1,m,n]) + ... ), kb ascending.
+
+    The K-block loop is unrolled (NUM_KB constexpr, <= 56 for the V4 shapes) so all of a
+    thread's loads are independent and in flight together; the adds stay in order.
+    """
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    p = ws_ptr + offs
+    for kb in tl.static_range(NUM_KB):
+        acc = acc + tl.load(p, mask=mask, other=0.0)
+        p += MN  # pointer (64-bit) arithmetic: no int32 overflow of kb * M * N
     c = round_to_bf16(acc, SOFTWARE).to(tl.bfloat16)
-    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, c, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+    m = offs // N
+    n = offs - m * N
+    tl.store(c_ptr + m * stride_cm + n, c, mask=mask)
+
+
+SUM_BLOCK = 128   # phase-2 elements per program: 1 warp x 4 fp32 (16-byte loads)
 
 
 def launch_fp8_block_gemm(q_u8, sa, w_u8, sw, out, cfg: dict, interpreting: bool) -> None:
+    """cfg: choose_config's keys; SPLIT_K > 1 runs the two-phase exact split-K."""
     m, k = q_u8.shape
     n = w_u8.shape[0]
     num_kb = triton.cdiv(k, 128)
@@ -101,11 +162,20 @@ def launch_fp8_block_gemm(q_u8, sa, w_u8, sw, out, cfg: dict, interpreting: bool
     a = q_u8.view(torch.float8_e4m3fn)
     b = w_u8.view(torch.float8_e4m3fn)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    extra = {} if interpreting else dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    _fp8_block_gemm_kernel[grid](
-        a, sa, b, sw, out, m, n, k, num_kb,
+    split_k = min(int(cfg.get("SPLIT_K", 1)), num_kb)
+    kb_per = triton.cdiv(num_kb, split_k)
+    split_k = triton.cdiv(num_kb, kb_per)  # no empty K groups
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    extra = {} if interpreting else dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                                         enable_fp_fusion=False)
+    ws = torch.empty((num_kb, m, n) if split_k > 1 else (1,), dtype=torch.float32, device=out.device)
+    _fp8_block_gemm_kernel[(tiles, split_k)](
+        a, sa, b, sw, out, ws, m, n, k, num_kb, kb_per,
         a.stride(0), b.stride(0), sa.stride(0), sa.stride(1), sw.stride(0), sw.stride(1), out.stride(0),
-        SB_E8M0=sb_e8m0, EVEN_K=(k % 128 == 0), IMPRECISE=cfg.get("IMPRECISE", 32),
-        BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), SOFTWARE=interpreting, **extra,
+        SB_E8M0=sb_e8m0, EVEN_K=(k % 128 == 0), IMPRECISE=cfg.get("IMPRECISE", 32), SOFTWARE=interpreting,
+        SPLIT=split_k > 1, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), **extra,
     )
+    if split_k > 1:
+        extra2 = {} if interpreting else dict(num_warps=SUM_BLOCK // 128, num_stages=1, enable_fp_fusion=False)
+        _splitk_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
+            ws, out, m * n, n, out.stride(0), NUM_KB=num_kb, SOFTWARE=interpreting, BLOCK=SUM_BLOCK, **extra2)

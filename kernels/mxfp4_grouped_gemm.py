@@ -118,7 +118,7 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
         n, align.num_routes, align.top_k,
         q.stride(0), sa.stride(0), w4.stride(0), w4.stride(1), sw.stride(0), sw.stride(1),
         out.stride(0),
-        A_GATHER=gather_a, OUT_SCATTER=scatter_out, K32=k // 32,
+        A_GATHER=gather_a, OUT_SCATTER=scatter_out, K=k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         SOFTWARE_BF16=interpreting(),
         num_warps=cfg.num_warps,

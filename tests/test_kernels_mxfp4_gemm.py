@@ -1,9 +1,10 @@
 """mxfp4_grouped_gemm and routed_experts_forward under TRITON_INTERPRET=1 vs the reference.
 
-The interpreter runs the FP8 dot in fp32 and the kernel rounds to bf16 with RNE on the
-bits (its cast truncates), so on CPU the kernel is expected to equal the reference
-`fp4_gemm` bit for bit; the bound below (<= 0.1 % of elements, each <= 1 bf16 ulp)
-leaves room only for an in-32-block summation-order flip. Negative controls show the
+The kernel folds the per-32 weight scale into bf16 weights and sums each 128-wide
+activation block in one MMA (fp32 operands under the interpreter, whose bf16 dot is
+broken), then rounds to bf16 with RNE on the bits (the interpreter's cast truncates);
+the bound below (<= 0.1 % of elements, each <= 1 bf16 ulp) leaves room only for an
+in-block summation-order flip. Negative controls show the
 same bound catches swapped nibbles and a scale off by one 32-group.
 """
 import os
@@ -14,6 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from dsv4_moe import reference as ref  # noqa: E402
+from dsv4_moe.testing import assert_bf16_close  # noqa: E402
 from dsv4_moe.kernels.moe_align import moe_align  # noqa: E402
 from dsv4_moe.kernels.mxfp4_grouped_gemm import GemmConfig, mxfp4_grouped_gemm, select_config  # noqa: E402
 from dsv4_moe.kernels.routed_experts import routed_experts_forward  # noqa: E402
@@ -114,7 +116,9 @@ def test_routed_forward_vs_reference(t):
     y = routed_experts_forward(q, sa, tw, ids, routed, 10.0)
     yr = ref.routed_forward(q, sa, tw, ids, routed, 10.0)
     local = ref.local_mask(ids, 2, e)
-    _assert_close(y[local], yr[local], "routed_forward")
+    # two GEMMs with an FP8 requantisation between them: an in-block order flip in gate_up
+    # can move one FP8 code of h, so the composed result uses the "layer" recipe.
+    assert_bf16_close(y[local], yr[local], "layer", "routed_forward", t=t)
 
 
 def test_zero_tokens_no_launch_and_guards():

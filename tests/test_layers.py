@@ -55,7 +55,7 @@ def test_hash_layer_requires_input_ids(layers):
 
 @pytest.mark.parametrize("bad,match", [
     (lambda x: x.float(), "hidden_states.dtype=torch.float32"),
-    (lambda x: x[None], r"hidden_states.shape=\(1, 2, 512\)"),
+    (lambda x: x[None], r"hidden_states.shape=\(1, 2, 256\)"),
     (lambda x: x[:, :100], r"hidden_states.shape=\(2, 100\)"),
     (lambda x: x.tolist(), "must be a torch.Tensor"),
 ])

@@ -21,8 +21,8 @@ and FLOPs (multiply-add = 2):
 The floor of a forward is max(bytes / copy_bw, flops / mm_rate) with the copy bandwidth
 (read + write counted) and the dense FP8 matmul rate measured on the same device.
 
-Scopes (`Work` rows): "layer" = everything; "router", "shared", "routed", "finalize" are the
-parts, so a stage or a peer that does one part is measured against that part's own work.
+Scopes (`Work` rows): "layer" = everything; "router", "act_quant", "shared", "routed",
+"finalize" are the parts, so a stage or a peer that does one part is measured against that part's own work.
 "routed" includes x in and the [T, H] combined output, as the routed peers produce it;
 "finalize" counts its own inputs (the expert rows and the shared output), which are
 intermediates of the layer.
@@ -40,7 +40,7 @@ __all__ = [
     "count_routes", "layer_work", "floor_us", "SCOPES",
 ]
 
-SCOPES = ("layer", "router", "shared", "routed", "finalize")
+SCOPES = ("layer", "router", "act_quant", "shared", "routed", "finalize")
 
 _FP8_BLOCK = 128
 _MXFP4_GROUP = 32
@@ -184,6 +184,8 @@ def layer_work(dims: LayerDims, num_tokens: int, topk_ids: Optional[torch.Tensor
         "layer": Work("layer", t, routed_b + shared_b + router_b + act_in + act_out,
                       routed_f + shared_f + router_f, unique_experts, local_routes),
         "router": Work("router", t, router_b + act_in, router_f),
+        # act_quant as a stage: reads x, writes e4m3 codes + one fp32 scale per 128 columns.
+        "act_quant": Work("act_quant", t, act_in + t * h + t * _cdiv(h, 128) * 4, 0),
         "shared": Work("shared", t, shared_b + act_in + act_out, shared_f),
         "routed": Work("routed", t, routed_b + act_in + act_out, routed_f, unique_experts, local_routes),
         # As a stage on its own, finalize must read the local expert rows y [routes, H] bf16

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import Optional
 
 __all__ = ["add_speedups", "format_table", "write_json", "write_plot", "BASELINE_KINDS"]
@@ -39,6 +40,10 @@ def _fmt(v, spec: str, missing: str = "-") -> str:
     return format(v, spec)
 
 
+def _t(t) -> str:
+    return "all" if t is None else str(t)
+
+
 def format_table(rows: list[dict], *, hardware: Optional[dict] = None) -> str:
     """One aligned line per row; skipped / wrong / error rows carry their reason."""
     head = ["case", "scope", "T", "us", "TB/s", "TFLOP/s", "%floor", "rel_err", "mode", "x vs baselines"]
@@ -47,15 +52,15 @@ def format_table(rows: list[dict], *, hardware: Optional[dict] = None) -> str:
         st = r.get("status")
         if st == "ok":
             vs = ", ".join(f"{v:.2f}x {k}" for k, v in sorted((r.get("vs") or {}).items()))
-            lines.append([r["case"], r["scope"], str(r["T"]), _fmt(r.get("us"), ".1f"), _fmt(r.get("TBps"), ".2f"),
-                          _fmt(r.get("TFLOPs"), ".1f"), _fmt(r.get("pct_floor"), ".0f"), _fmt(r.get("rel_err"), ".1e"),
+            lines.append([r["case"], r["scope"], _t(r["T"]), _fmt(r.get("us"), ".1f"), _fmt(r.get("TBps"), ".3g"),
+                          _fmt(r.get("TFLOPs"), ".3g"), _fmt(r.get("pct_floor"), ".0f"), _fmt(r.get("rel_err"), ".1e"),
                           r.get("mode", "-"), vs])
         else:
             why = r.get("reason", "")
             if st == "wrong":
                 why = f"wrong (rel err {r.get('rel_err', float('nan')):.3g} > tol {r.get('tol')})" + (
                     f": {why}" if why else "")
-            lines.append([r["case"], r["scope"], str(r["T"]), st or "?", "", "", "", "", "", why])
+            lines.append([r["case"], r["scope"], _t(r["T"]), st or "?", "", "", "", "", "", why])
     widths = [max(len(head[i]), *(len(ln[i]) for ln in lines)) if lines else len(head[i]) for i in range(len(head))]
     widths[-1] = len(head[-1])  # the last column is free text, not padded
     right = {2, 3, 4, 5, 6, 7}
@@ -69,18 +74,30 @@ def format_table(rows: list[dict], *, hardware: Optional[dict] = None) -> str:
     text = [fmt_line(head), "-+-".join("-" * w for w in widths)]
     text += [fmt_line(ln) for ln in lines]
     if hardware:
-        text.append(f"floor = max(bytes / {hardware['copy_TBps']:.2f} TB/s copy, flops / "
-                    f"{(hardware.get('fp8_TFLOPs') or hardware.get('bf16_TFLOPs') or 0):.0f} TFLOP/s "
+        text.append(f"floor = max(bytes / {hardware['copy_TBps']:.3g} TB/s copy, flops / "
+                    f"{hardware['floor_TFLOPs']:.4g} TFLOP/s "
                     f"{hardware.get('floor_matmul')} matmul), measured in this run on {hardware['device_name']}")
     return "\n".join(text)
 
 
-def write_json(path: str, doc: dict) -> None:
-    def default(o):
-        return getattr(o, "value", str(o))
+def _clean(o):
+    """NaN / inf -> None so the file is strict JSON; tuples -> lists; other objects -> str."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {str(k): _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    if o is None or isinstance(o, (str, int, bool)):
+        return o
+    return str(o)
 
+
+def write_json(path: str, doc: dict) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
     with open(path, "w") as f:
-        json.dump(doc, f, indent=1, default=default, allow_nan=True)
+        json.dump(_clean(doc), f, indent=1, allow_nan=False)
         f.write("\n")
 
 
@@ -94,7 +111,9 @@ def write_plot(path: str, rows: list[dict], hardware: dict, title: str) -> Optio
         import matplotlib.pyplot as plt
     except Exception as e:  # noqa: BLE001 - plotting is optional (pip install matplotlib)
         return f"matplotlib not importable ({type(e).__name__}); pip install dsv4_moe[bench]"
-    ok = [r for r in rows if r.get("status") == "ok"]
+    # Layer rows, peers and the stages peers are compared with; the other stages would bury them.
+    ok = [r for r in rows if r.get("status") == "ok"
+          and (r["kind"] != "stage" or r["scope"] in ("routed", "shared"))]
     fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
     cases = []
     for r in ok:
@@ -118,6 +137,7 @@ def write_plot(path: str, rows: list[dict], hardware: dict, title: str) -> Optio
     axes[1].legend(fontsize=7, loc="best")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return None

@@ -22,6 +22,8 @@ values differ per rank through the seed.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from dsv4_moe.weights.tensors import MoELayerWeights, RoutedExpertWeights, RouterWeights, SharedExpertWeights
@@ -47,7 +49,8 @@ def _fp8_block_quant(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def synthetic_layer_weights(config, *, device="cpu", tp_rank: int = 0, tp_size: int = 1, ep_rank: int = 0,
-                            ep_size: int = 1, hash_layer: bool = False, seed: int = 0) -> MoELayerWeights:
+                            ep_size: int = 1, hash_layer: bool = False, seed: int = 0,
+                            layer_idx: Optional[int] = None) -> MoELayerWeights:
     """Random layer weights with the checkpoint's dtypes and realistic ranges (module docstring)."""
     config.check_parallel(tp_rank=tp_rank, tp_size=tp_size, ep_rank=ep_rank, ep_size=ep_size)
     h = config.hidden_size
@@ -91,6 +94,7 @@ def synthetic_layer_weights(config, *, device="cpu", tp_rank: int = 0, tp_size: 
         gate_up=codes(n_loc, 2 * i, h // 2), gate_up_scale=scales(n_loc, 2 * i, h // 32),
         down=codes(n_loc, h, i // 2), down_scale=scales(n_loc, h, i // 32),
         first_expert=local.start, num_experts=e)
-    layer_idx = 0 if hash_layer else config.num_hash_layers
+    if layer_idx is None:  # the first hash / non-hash layer index of this config
+        layer_idx = 0 if hash_layer else config.num_hash_layers
     return MoELayerWeights(router, shared, routed, layer_idx=layer_idx, tp_rank=tp_rank, tp_size=tp_size,
                            ep_rank=ep_rank, ep_size=ep_size)

@@ -151,18 +151,27 @@ class Hardware:
     copy_bytes_per_s: float
     bf16_flops_per_s: Optional[float]
     fp8_flops_per_s: Optional[float]
+    fp32_flops_per_s: Optional[float] = None
     notes: list = field(default_factory=list)
 
     @property
+    def floor_matmul(self) -> str:
+        """FP8 dense (the package's GEMMs run FP8 MMA), else bf16, else fp32 (CPU)."""
+        return "fp8" if self.fp8_flops_per_s else ("bf16" if self.bf16_flops_per_s else "fp32")
+
+    @property
     def mm_flops_per_s(self) -> float:
-        """The matmul rate the floor uses: FP8 dense (the package's GEMMs run FP8 MMA), else bf16."""
-        return self.fp8_flops_per_s or self.bf16_flops_per_s
+        return {"fp8": self.fp8_flops_per_s, "bf16": self.bf16_flops_per_s,
+                "fp32": self.fp32_flops_per_s}[self.floor_matmul]
 
     def as_dict(self) -> dict:
+        def tf(v):
+            return None if v is None else v / 1e12
+
         return {"device_name": self.device_name, "copy_TBps": self.copy_bytes_per_s / 1e12,
-                "bf16_TFLOPs": (self.bf16_flops_per_s or 0) / 1e12 or None,
-                "fp8_TFLOPs": (self.fp8_flops_per_s or 0) / 1e12 or None,
-                "floor_matmul": "fp8" if self.fp8_flops_per_s else "bf16", "notes": list(self.notes)}
+                "bf16_TFLOPs": tf(self.bf16_flops_per_s), "fp8_TFLOPs": tf(self.fp8_flops_per_s),
+                "fp32_TFLOPs": tf(self.fp32_flops_per_s), "floor_matmul": self.floor_matmul,
+                "floor_TFLOPs": tf(self.mm_flops_per_s), "notes": list(self.notes)}
 
 
 def _median_ms(fn, device, reps=10, warm=2) -> float:
@@ -193,7 +202,7 @@ def measure_hardware(device: str, *, quick: bool = False) -> Hardware:
 
     CUDA: copy of 1 GiB (read + write = 2 GiB moved), 8192^3 bf16 matmul, 8192^3 FP8
     `torch._scaled_mm` with tensorwise scales (fast accumulation off, as a blockwise kernel
-    must rescale per block). CPU: 64 MiB copy and a 1024^3 bf16 matmul; no FP8 rate.
+    must rescale per block). CPU: 64 MiB copy and a 512^3 fp32 matmul; no FP8/bf16 rate.
     `quick` shrinks the CUDA sizes (tests).
     """
     device = str(device)
@@ -212,26 +221,30 @@ def measure_hardware(device: str, *, quick: bool = False) -> Hardware:
     copy_bw = 2 * n * 2 / (ms * 1e-3)
     notes.append(f"copy: {n * 2 / 2**20:.0f} MiB bf16 d2d, read + write counted")
     del x, y
+    fp8 = bf16 = fp32 = None
+    if not device.startswith("cuda"):
+        # CPU bf16 matmul is emulated (slow); the CPU floor uses fp32, labelled as such.
+        a = torch.randn(m, m)
+        ms = _median_ms(lambda: a @ a, device, reps=5)
+        fp32 = 2 * m**3 / (ms * 1e-3)
+        notes.append(f"cpu: fp32 matmul {m}^3; no FP8/bf16 rate, the floor uses fp32")
+        return Hardware(name, copy_bw, None, None, fp32, notes)
     a = torch.randn(m, m, device=device, dtype=torch.bfloat16)
     b = torch.randn(m, m, device=device, dtype=torch.bfloat16)
     ms = _median_ms(lambda: a @ b, device, reps=8)
     bf16 = 2 * m**3 / (ms * 1e-3)
     notes.append(f"bf16 matmul {m}^3 random")
-    fp8 = None
-    if device.startswith("cuda"):
-        try:
-            a8 = (a * 0.5).to(torch.float8_e4m3fn)
-            b8 = (b * 0.5).to(torch.float8_e4m3fn)
-            one = torch.ones((), device=device, dtype=torch.float32)
-            ms = _median_ms(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one,
-                                                     out_dtype=torch.bfloat16), device, reps=8)
-            fp8 = 2 * m**3 / (ms * 1e-3)
-            notes.append(f"fp8 e4m3 _scaled_mm tensorwise {m}^3")
-        except Exception as e:  # noqa: BLE001 - no FP8 MMA: the floor falls back to bf16
-            notes.append(f"fp8 _scaled_mm unavailable ({type(e).__name__}: {str(e)[:100]}); floor uses bf16")
-    else:
-        notes.append("cpu: no FP8 matmul rate; floor uses bf16")
+    try:
+        a8 = (a * 0.5).to(torch.float8_e4m3fn)
+        b8 = (b * 0.5).to(torch.float8_e4m3fn)
+        one = torch.ones((), device=device, dtype=torch.float32)
+        ms = _median_ms(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one,
+                                                 out_dtype=torch.bfloat16), device, reps=8)
+        fp8 = 2 * m**3 / (ms * 1e-3)
+        notes.append(f"fp8 e4m3 _scaled_mm tensorwise {m}^3")
+        del a8, b8
+    except Exception as e:  # noqa: BLE001 - no FP8 MMA: the floor falls back to bf16
+        notes.append(f"fp8 _scaled_mm unavailable ({type(e).__name__}: {str(e)[:100]}); floor uses bf16")
     del a, b
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    return Hardware(name, copy_bw, bf16, fp8, notes)
+    torch.cuda.empty_cache()
+    return Hardware(name, copy_bw, bf16, fp8, None, notes)

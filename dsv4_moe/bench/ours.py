@@ -1,17 +1,19 @@
-"""The package side of the benchmark: whole-layer paths and per-stage callables.
+"""This package's side of the benchmark: whole-layer paths and per-stage callables
+(dsv4_moe.layers + dsv4_moe.dispatch + the stage adapters in dsv4_moe.stages).
 
     layer paths   "default"    DeepseekV4MoE.forward as dispatch chooses (best available)
                   "unfused"    force_paths(swiglu_quant="unfused", finalize="unfused")
                   "reference"  force_paths(every stage="reference")
     stages        router       dispatch "router" path on x
                   act_quant    dispatch "act_quant" path on x
-                  shared       layer.shared_experts.forward(x) (its own act_quant + 2 GEMMs + SwiGLU-quant)
+                  shared       DeepseekV4MLP.forward(x) (the layer's shared_experts module type: its own
+                               act_quant + 2 FP8 GEMMs + SwiGLU-quant)
                   routed       act_quant + "routed_experts" + "finalize" with a zero shared output:
                                the same work the routed peers do (GEMMs, SwiGLU, weighted combine)
                   finalize     "finalize" on precomputed expert rows and shared output
 
-Everything the lead's modules provide is imported lazily and defensively, so a missing
-piece becomes a skipped row with the import error, not a crash.
+The layer modules are imported lazily, so a missing or broken piece becomes a skipped
+row carrying the import error, not a crash.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from typing import Callable, Optional
 import torch
 
 from dsv4_moe import reference as R
+from dsv4_moe.weights.formats import dequant_fp8_block, dequant_mxfp4
 
-__all__ = ["LAYER_PATHS", "STAGES", "path_forces", "build_layer", "select_stage", "make_context", "single_rank_view"]
+__all__ = ["LAYER_PATHS", "STAGES", "path_forces", "force_context", "build_layer", "build_shared", "select_stage",
+           "make_context", "single_rank_view", "plan_label", "StageSet", "stage_callables", "stage_reference",
+           "fill_stage_inputs", "subset", "exact_output"]
 
 LAYER_PATHS = ("default", "unfused", "reference")
 STAGES = ("router", "act_quant", "shared", "routed", "finalize")
@@ -66,7 +71,8 @@ def single_rank_view(config, weights):
     One GPU runs one rank: the TP/EP all-reduce is left out (it would need a process
     group). With TP the rank's layer is the same computation as a layer of intermediate
     I/tp (the shared partial is added before the all-reduce, SPEC §4.5); with EP the
-    local expert range is kept, so non-local routes are skipped as on a real rank.
+    local expert range is kept (DeepseekV4MoE itself needs ep_size > 1 and a process group
+    for that, so the sweep runs EP ranks' stages and skips the whole-layer rows).
     """
     inter = weights.shared.intermediate
     cfg = config if inter == config.moe_intermediate_size else config.replace(moe_intermediate_size=inter)
@@ -80,36 +86,40 @@ def build_layer(config, weights):
     return layers.DeepseekV4MoE(config, weights)
 
 
-def make_context(weights, config, num_tokens: int, device: str):
-    """dispatch.DispatchContext filled from the fields this benchmark knows (by name)."""
-    d = importlib.import_module("dsv4_moe.dispatch")
-    cls = d.DispatchContext
-    known = {
-        "device": torch.device(device), "dtype": torch.bfloat16, "num_tokens": num_tokens,
-        "hidden": weights.routed.hidden, "intermediate": weights.routed.intermediate,
-        "num_experts": weights.routed.num_experts or config.n_routed_experts,
-        "top_k": config.num_experts_per_tok, "num_local_experts": weights.routed.num_local,
-        "num_local": weights.routed.num_local, "first_expert": weights.routed.first_expert,
-        "ep_size": weights.ep_size, "tp_size": weights.tp_size, "hash_layer": weights.router.is_hash,
-        "is_hash": weights.router.is_hash, "swiglu_limit": config.swiglu_limit,
-    }
-    if dataclasses.is_dataclass(cls):
-        names = [f.name for f in dataclasses.fields(cls)]
-        return cls(**{k: v for k, v in known.items() if k in names})
-    import inspect
+def build_shared(config, weights):
+    """DeepseekV4MLP(config, weights.shared): the shared expert module on its own."""
+    return importlib.import_module("dsv4_moe.layers").DeepseekV4MLP(config, weights.shared)
 
-    params = inspect.signature(cls).parameters
-    return cls(**{k: v for k, v in known.items() if k in params})
+
+def make_context(layer, weights, config, num_tokens: int, device: str):
+    """The DispatchContext the layer itself would use at num_tokens (layer.context), or one
+    built from the weights when the layer is unavailable."""
+    if layer is not None:
+        return layer.context(num_tokens)
+    d = importlib.import_module("dsv4_moe.dispatch")
+    r = weights.routed
+    return d.DispatchContext(device=torch.device(device), num_tokens=num_tokens, hidden=r.hidden,
+                             intermediate=r.intermediate, num_experts=config.n_routed_experts,
+                             num_local_experts=r.num_local, top_k=config.num_experts_per_tok,
+                             tp_size=weights.tp_size, ep_size=weights.ep_size, is_hash=weights.router.is_hash)
+
+
+def plan_label(layer, num_tokens: int, context_factory) -> str:
+    """'router=triton act_quant=triton ...': the path dispatch picks per stage under the context
+    (empty when dispatch cannot say)."""
+    try:
+        d = importlib.import_module("dsv4_moe.dispatch")
+        with context_factory():
+            return " ".join(f"{p.stage}={p.chosen.name}" for p in d.plan(layer.context(num_tokens)))
+    except Exception as e:  # noqa: BLE001 - the row itself will report the failure
+        return f"(plan unavailable: {type(e).__name__}: {str(e)[:120]})"
 
 
 def select_stage(stage: str, ctx) -> tuple[str, Callable]:
     """(path name, implementation) that dispatch picks for `stage` under `ctx`."""
     d = importlib.import_module("dsv4_moe.dispatch")
     p = d.select(stage, ctx)
-    impl = p.impl
-    if not callable(impl):  # a lazily-imported implementation given as a loader
-        impl = impl()
-    return p.name, impl
+    return p.name, p.impl
 
 
 @dataclasses.dataclass
@@ -127,8 +137,9 @@ class StageSet:
     zeros: torch.Tensor = None
 
 
-def stage_callables(stage: str, layer, weights, config, ctx, s: StageSet) -> tuple[str, Callable]:
-    """(label, zero-arg callable) computing `stage` on one input set, via dispatch."""
+def stage_callables(stage: str, shared_mlp, weights, config, ctx, s: StageSet) -> tuple[str, Callable]:
+    """(label, zero-arg callable) computing `stage` on one input set, via dispatch
+    (the "shared" stage runs the DeepseekV4MLP module `shared_mlp`)."""
     limit = config.swiglu_limit
     r = weights.routed
     if stage == "router":
@@ -139,19 +150,19 @@ def stage_callables(stage: str, layer, weights, config, ctx, s: StageSet) -> tup
         name, impl = select_stage("act_quant", ctx)
         return name, lambda: impl(s.x)
     if stage == "shared":
-        mlp = layer.shared_experts
-        return "shared_experts.forward", lambda: mlp.forward(s.x)
+        return "DeepseekV4MLP.forward", lambda: shared_mlp.forward(s.x)
     if stage == "routed":
         n_aq, aq = select_stage("act_quant", ctx)
         n_re, re_ = select_stage("routed_experts", ctx)
+        n_sw, _ = select_stage("swiglu_quant", ctx)  # routed_experts takes the SwiGLU-quant path by name
         n_fi, fi = select_stage("finalize", ctx)
 
         def routed():
             q, sa = aq(s.x)
-            y = re_(q, sa, s.topk_w, s.topk_ids, r, limit)
+            y = re_(q, sa, s.topk_w, s.topk_ids, r, limit, n_sw)
             return fi(y, s.topk_ids, s.zeros, r.first_expert, r.num_local)
 
-        return f"act_quant={n_aq} routed_experts={n_re} finalize={n_fi}", routed
+        return f"act_quant={n_aq} routed_experts={n_re}(swiglu={n_sw}) finalize={n_fi}", routed
     if stage == "finalize":
         name, impl = select_stage("finalize", ctx)
         return name, lambda: impl(s.y, s.topk_ids, s.shared_out, r.first_expert, r.num_local)
@@ -178,6 +189,37 @@ def stage_reference(stage: str, weights, config, s: StageSet):
         acc = R.finalize(s.y, s.topk_ids, r.first_expert, r.num_local)
         return (acc + s.shared_out.float()).to(torch.bfloat16)
     raise ValueError(f"stage={stage!r}: expected one of {STAGES}")
+
+
+def exact_output(scope: str, weights, config, s: StageSet) -> Optional[torch.Tensor]:
+    """fp32 output of the routed or shared part with quantisation switched off (dequantised
+    weights, unquantised activations; only the experts the set hits are dequantised), or None
+    for other scopes. Rows report the reference's own distance to it: the noise floor the
+    peers' differing numerics are judged against."""
+    limit = config.swiglu_limit
+    x = s.x.float()
+
+    def expert(xs, gu, dn, rw=None):
+        i = gu.shape[0] // 2
+        h = xs @ gu.T
+        a = torch.nn.functional.silu(h[:, :i].clamp(max=limit)) * h[:, i:].clamp(-limit, limit)
+        return (a if rw is None else a * rw[:, None]) @ dn.T
+
+    if scope == "shared":
+        sh = weights.shared
+        return expert(x, dequant_fp8_block(sh.gate_up, sh.gate_up_scale), dequant_fp8_block(sh.down, sh.down_scale))
+    if scope == "routed":
+        r = weights.routed
+        out = torch.zeros_like(x)
+        for e in torch.unique(s.topk_ids).tolist():
+            if not r.first_expert <= e < r.first_expert + r.num_local:
+                continue
+            tok, slot = torch.nonzero(s.topk_ids == e, as_tuple=True)
+            el = e - r.first_expert
+            out.index_add_(0, tok, expert(x[tok], dequant_mxfp4(r.gate_up[el], r.gate_up_scale[el]),
+                                          dequant_mxfp4(r.down[el], r.down_scale[el]), s.topk_w[tok, slot].float()))
+        return out
+    return None
 
 
 def fill_stage_inputs(s: StageSet, weights, generator: torch.Generator) -> None:

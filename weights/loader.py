@@ -1,0 +1,132 @@
+"""Load one MoE layer's native tensors from an official checkpoint directory.
+
+    config, weights = load_layer_weights(dir, layer_idx, tp_rank=r, tp_size=8)
+
+Steps: read `config.json` (MoEConfig.from_pretrained); check the parallel split; compare
+the index's names for this layer with what the config implies (expert count, hash vs
+bias); build the exact name list (weights.names) with each rank's slice
+(weights.slicing); check every tensor's dtype, shape and shard before reading any;
+read only this rank's bytes, only from the shards that hold them; assemble the
+containers (weights.prepare) directly on `device`, one expert at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+import torch
+
+from dsv4_moe.config import MoEConfig
+
+from . import prepare
+from .names import (expert_tensor_names, layer_prefix, layer_tensor_names, parse_name, router_tensor_names,
+                    shared_expert_tensor_names)
+from .reader import CheckpointError, CheckpointReader, TensorRequest
+from .slicing import ep_experts, tp_index
+from .tensors import MoELayerWeights
+
+__all__ = ["load_layer_weights"]
+
+# Loads of more experts than this show a progress bar by default (when stderr is a tty):
+# a V4-Flash layer (256 experts, ~3.4 GB) takes seconds to tens of seconds from disk.
+_PROGRESS_MIN_EXPERTS = 32
+
+
+def _check_layer_names(reader: CheckpointReader, config: MoEConfig, layer_idx: int) -> None:
+    """Fail when the index's FFN names for this layer contradict the config: experts
+    beyond n_routed_experts, a bias on a hash layer, a tid2eid on a non-hash layer, names
+    the config implies but the index lacks. (Dtypes and shapes are checked against the
+    shard headers afterwards, by CheckpointReader.check.)"""
+    is_hash = config.is_hash_layer(layer_idx)
+    for name in reader.names():
+        p = parse_name(name)
+        if p is None or p.layer != layer_idx:
+            continue
+        shard = reader.shard_of(name)
+        if p.expert is not None and p.expert >= config.n_routed_experts:
+            raise CheckpointError(
+                f"tensor {name!r} in shard {shard!r}: expert {p.expert} does not exist under config.json's "
+                f"n_routed_experts={config.n_routed_experts} (the checkpoint and config.json disagree)")
+        if p.logical == "router.bias" and is_hash:
+            raise CheckpointError(
+                f"tensor {name!r} in shard {shard!r}: a selection bias on layer {layer_idx}, which config.json's "
+                f"num_hash_layers={config.num_hash_layers} makes a hash layer (the checkpoint and config disagree)")
+        if p.logical == "router.tid2eid" and not is_hash:
+            raise CheckpointError(
+                f"tensor {name!r} in shard {shard!r}: a hash table on layer {layer_idx}, which config.json's "
+                f"num_hash_layers={config.num_hash_layers} makes a biased top-k layer (the checkpoint and config "
+                "disagree)")
+    expected = [s.name for s in layer_tensor_names(config, layer_idx)]
+    missing = [n for n in expected if n not in reader.weight_map]
+    if missing:
+        present = sorted({reader.shard_of(n) for n in reader.names()
+                          if (p := parse_name(n)) is not None and p.layer == layer_idx})
+        where = f"its other FFN tensors are in {present}" if present else "the index lists no FFN tensor of this layer"
+        raise CheckpointError(
+            f"tensor {missing[0]!r} is missing ({len(missing)} of the {len(expected)} tensors config.json implies "
+            f"for layer {layer_idx} are absent from {reader.index_path or 'model.safetensors'}; {where}). "
+            f"config.json: n_routed_experts={config.n_routed_experts}, num_hash_layers={config.num_hash_layers}")
+
+
+def _show_progress(progress: Optional[bool], num_experts: int) -> bool:
+    if progress is not None:
+        return bool(progress)
+    return sys.stderr.isatty() and num_experts > _PROGRESS_MIN_EXPERTS
+
+
+def load_layer_weights(checkpoint_dir: str | os.PathLike, layer_idx: int, *, device: torch.device | str = "cpu",
+                       tp_rank: int = 0, tp_size: int = 1, ep_rank: int = 0, ep_size: int = 1,
+                       progress: Optional[bool] = None) -> tuple[MoEConfig, MoELayerWeights]:
+    """Read the FFN of decoder layer `layer_idx` for one rank.
+
+    Returns (config, weights) with weights laid out as `weights.tensors` documents:
+    router replicated; shared expert with I/tp_size rows; routed experts
+    `config.local_experts(ep_rank, ep_size)` with I/tp_size rows each.
+    `progress`: tqdm bar over experts; None shows it when stderr is a tty and the rank
+    loads more than 32 experts. Raises CheckpointError (a ValueError) naming the
+    tensor and shard for anything missing or inconsistent; nothing is returned then.
+    """
+    config = MoEConfig.from_pretrained(checkpoint_dir)
+    config.check_parallel(tp_rank=tp_rank, tp_size=tp_size, ep_rank=ep_rank, ep_size=ep_size)
+    is_hash = config.is_hash_layer(layer_idx)
+    device = torch.device(device)
+    local = ep_experts(config, ep_rank, ep_size)
+
+    def requests(specs):
+        return [TensorRequest(s, tp_index(s.logical, config, tp_rank, tp_size)) for s in specs]
+
+    router_req = requests(router_tensor_names(config, layer_idx))
+    shared_req = requests(shared_expert_tensor_names(config, layer_idx))
+    expert_req = [requests(expert_tensor_names(config, layer_idx, e)) for e in local]
+
+    with CheckpointReader(checkpoint_dir) as reader:
+        _check_layer_names(reader, config, layer_idx)
+        # Everything is checked before the first byte is read, so a bad checkpoint fails
+        # fast and no partially filled layer is ever returned.
+        reader.check(router_req + shared_req + [r for rs in expert_req for r in rs])
+
+        t = reader.read(router_req)
+        p = layer_prefix(layer_idx)
+        router = prepare.prepare_router(
+            t[p + "gate.weight"], None if is_hash else t[p + "gate.bias"], t[p + "gate.tid2eid"] if is_hash else None)
+
+        t = reader.read(shared_req)
+        shared = prepare.prepare_shared({".".join(r.spec.name.split(".")[-2:]): t[r.spec.name] for r in shared_req})
+
+        routed = prepare.empty_routed(len(local), config.hidden_size, config.local_intermediate(tp_size),
+                                      first_expert=local.start, num_experts=config.n_routed_experts, device=device)
+        from tqdm.auto import tqdm
+
+        with tqdm(total=len(local), desc=f"layer {layer_idx} experts", unit="expert",
+                  disable=not _show_progress(progress, len(local))) as bar:
+            for j, reqs in enumerate(expert_req):
+                t = reader.read(reqs)
+                prepare.place_expert(routed, j, {".".join(r.spec.name.split(".")[-2:]): t[r.spec.name] for r in reqs})
+                bar.update(1)
+
+    weights = MoELayerWeights(router=router.to(device), shared=shared.to(device), routed=routed,
+                              layer_idx=layer_idx, tp_rank=tp_rank, tp_size=tp_size,
+                              ep_rank=ep_rank, ep_size=ep_size)
+    return config, weights
