@@ -154,8 +154,8 @@ def swiglu_quant_unfused(gate_up, limit):
 
 
 # The MXFP4 GEMM folds each e8m0 weight scale into a bf16 weight exactly only for scale
-# bytes in [2, 252] (kernels/_mxfp4_grouped_gemm.py); the layer measures the range once.
-ROUTED_SCALE_BYTES = (2, 252)
+# bytes in [0, 128] (kernels/_mxfp4_grouped_gemm.py); the layer measures the range once.
+ROUTED_SCALE_BYTES = (0, 128)
 
 
 def routed_experts_triton_supported(ctx: DispatchContext):

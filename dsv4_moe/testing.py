@@ -144,17 +144,25 @@ def assert_bitwise_equal(got: torch.Tensor, expected: torch.Tensor, what: str = 
 
 
 def bf16_diff_stats(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
-    """Mismatch fraction, max difference in bf16 ulps of the reference, relative L2."""
+    """Mismatch fraction, max difference in bf16 ulps, relative L2, max |diff|.
+
+    NOTE: ulps are counted at max(|ref|, rms(ref)): an output that nearly cancels to 0
+    (|ref| << rms) would otherwise turn an ordinary last-bit difference of its inputs
+    into thousands of ulps of its own tiny value. A wrong scale (factor 2) is still
+    >= 128 ulps at every element it touches.
+    """
     g, r = got.detach().float().cpu(), ref.detach().float().cpu()
     both_nan = torch.isnan(g) & torch.isnan(r)
     diff = torch.where(both_nan, torch.zeros_like(g), (g - r).abs())
-    # bf16 ulp of r: 2^(exponent(r) - 7); for r = 0 use the smallest normal's ulp.
-    _, ex = torch.frexp(r.abs().clamp(min=2.0 ** -126))
-    ulp = torch.ldexp(torch.ones_like(r), ex - 8)
-    ulps = (diff / ulp)
+    finite = r[torch.isfinite(r)]
+    rms = finite.pow(2).mean().sqrt().item() if finite.numel() else 0.0
+    mag = torch.maximum(r.abs(), torch.full_like(r, rms)).clamp(min=2.0 ** -126)
+    _, ex = torch.frexp(mag)
+    ulp = torch.ldexp(torch.ones_like(r), ex - 8)  # bf16 ulp of mag: 2^(exponent - 7)
+    ulps = diff / ulp
     ulps = torch.where(torch.isnan(ulps), torch.full_like(ulps, float("inf")), ulps)
     mism = (g.view(-1) != r.view(-1)) & ~both_nan.view(-1)
-    denom = r.norm().item()
+    denom = r.nan_to_num().norm().item()
     return {
         "mismatch_frac": mism.float().mean().item() if mism.numel() else 0.0,
         "max_ulp": ulps.max().item() if ulps.numel() else 0.0,

@@ -35,6 +35,16 @@ k = 32 step; IMPRECISE=32 promotes into fp32 registers after every wgmma, as clo
 an fp32 in-block sum as the hardware gets. 32 is the default (accuracy);
 fp8_block_gemm.FAST_PREFILL_IMPRECISE names the faster mode, and gpu_check_shared.py
 times both.
+
+NOTE (registers, from `ptxas -v -arch=sm_90a` on this kernel compiled offline with
+triton.compile(ASTSource(..., attrs=divisibility 16), GPUTarget("cuda", 90, 32))):
+IMPRECISE=32 costs ~100 registers per thread (the per-wgmma promotion keeps a second
+fp32 tile live), so 64x128 with 4 warps hits 255 and spills 52 B, 128x128x8w spills
+268 B and 128x256x8w 1.7 KB (why the first H200 run measured it at 1393 us); 64x128
+and 128x64 with 8 warps do not spill. IMPRECISE=128: 64x128x4w 190 registers. Decode
+(16 x 64, mma.sync) uses 72-80. Without the divisibility hints Triton does not
+pipeline the loads (no cp.async): the real launch gets them from Triton's argument
+specialization (K, N, strides % 16 == 0).
 """
 
 from __future__ import annotations
@@ -78,7 +88,10 @@ def _block_partial(a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, kb, K, stride_sak, stride_s
     return partial * sa[:, None] * sb[None, :]
 
 
-@triton.jit
+# NOTE: scalars that only index the (small) scale tensors or count K blocks are not
+# specialized (Triton would otherwise compile a variant per "divisible by 16" pattern of
+# KB, which differs between the V4 shapes); M, N, K and the operand strides are.
+@triton.jit(do_not_specialize=["num_kb", "kb_per_split", "stride_sam", "stride_sak", "stride_sbn", "stride_sbk"])
 def _fp8_block_gemm_kernel(
     a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, ws_ptr,
     M, N, K, num_kb, kb_per_split,
@@ -112,11 +125,13 @@ def _fp8_block_gemm_kernel(
         # Phase 1: the scaled partials of K blocks [kb_lo, kb_hi) -> ws[kb, m, n].
         kb_lo = tl.program_id(1) * kb_per_split
         kb_hi = min(kb_lo + kb_per_split, num_kb)
-        ws_ptrs = ws_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        ws_ptrs = (ws_ptr + (kb_lo.to(tl.int64) * M) * N
+                   + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :])
         for kb in range(kb_lo, kb_hi):
             v = _block_partial(a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, kb, K, stride_sak, stride_sbk,
                                SB_E8M0, EVEN_K, IMPRECISE)
-            tl.store(ws_ptrs + kb.to(tl.int64) * M * N, v, mask=out_mask)
+            tl.store(ws_ptrs, v, mask=out_mask)
+            ws_ptrs += M * N
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, num_kb):

@@ -6,8 +6,9 @@ The shared expert's two GEMMs (SPEC §4.3), "NT": both operands K-contiguous, as
 in the checkpoint. Any M >= 1, N, K (K need not be a multiple of 128; the last block is
 partial) -- I = 384 (N = 768 for gate_up, K = 384 for down) is served unpadded.
 
-`choose_config(M, N, K)` picks tiles (see its comments); any config can be forced with
-`config=` (the GPU sweep in scripts/gpu_check_shared.py does). Triton is imported lazily.
+`choose_config(M, N, K)` picks tiles and, for decode, the exact split-K (see its
+comments); any config can be forced with `config=`, the split with `split_k=` (the GPU
+sweep in scripts/gpu_check_shared.py does). Triton is imported lazily.
 """
 
 from __future__ import annotations
@@ -16,41 +17,74 @@ from typing import Optional
 
 import torch
 
-__all__ = ["fp8_block_gemm_nt", "choose_config", "NUM_SMS_H200"]
+__all__ = ["fp8_block_gemm_nt", "choose_config", "choose_split_k", "NUM_SMS_H200",
+           "SPLIT_K_MAX_WS_FRACTION", "SPLIT_K_MIN_KB", "FAST_PREFILL_IMPRECISE"]
 
 _BLOCK = 128
 NUM_SMS_H200 = 132
+# Exact split-K (decode) writes an fp32 workspace [KB, M, N] in phase 1 and reads it back
+# in phase 2: 4*KB*M*N bytes each way, i.e. (M / 32) x the weight bytes N*K. It is used
+# only while that is at most this fraction of the weight bytes (M <= 16 when 128 | K),
+# where the workspace (<= 8.4 MB for V4-Flash gate_up at M = 16) stays in the 60 MB L2.
+SPLIT_K_MAX_WS_FRACTION = 0.5
+# ... and only for K >= 8 blocks (1024): with fewer blocks the single pass is short and
+# launch-bound already, and phase 2 is a second launch (re-tune from gpu_check_shared).
+SPLIT_K_MIN_KB = 8
+# Programs to aim for in split-K phase 1: ~4 per SM (each holds <= 40 KB of smem at
+# 16 x 64 tiles, 4 stages, so several co-reside and keep loads in flight).
+_SPLIT_K_PROGRAMS_PER_SM = 4
+# tl.dot max_num_imprecise_acc of the faster, less accurate prefill mode (see
+# _fp8_block_gemm's NOTE): the whole 128-wide block accumulates inside the tensor core.
+FAST_PREFILL_IMPRECISE = 128
 
 
-def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H200) -> dict:
-    """Tile config for an [M, K] x [N, K]^T FP8 GEMM.
+def choose_split_k(m: int, n: int, k: int, tiles: int, num_sms: int = NUM_SMS_H200) -> int:
+    """Number of K-block groups for the exact split-K path (1 = single pass).
 
-    Decode (M <= 16): weight-bandwidth bound, a GEMV in disguise. BLOCK_M = 16 (the
-    smallest wgmma M Triton uses), and BLOCK_N as small as needed to put a program on
-    ~90% of the SMs: N = 4096 -> BN 32 = 128 programs; N = 768 (V4-Pro TP8 gate_up)
-    -> BN 16 = 48 programs (no split-K: it would reorder the cross-block sum, §4.3).
-    Deep pipelines (5 stages) keep several 128-wide K blocks of weights in flight.
-    Mid M (<= 128): 64-row tiles. Prefill: 128 x 128 (or 128 x 256 when there are
-    enough tiles to fill the GPU twice), 8 warps, 3-4 stages.
-    NOTE: starting points from the H200's shape (132 SMs, 228 KB smem); re-tune from the
-    `gemm_sweep` rows of scripts/gpu_check_shared.py.
+    Split only when the output tiles alone cannot occupy the GPU (tiles < num_sms), K has
+    at least SPLIT_K_MIN_KB blocks, and the fp32 workspace 4*KB*M*N is at most
+    SPLIT_K_MAX_WS_FRACTION of the weight bytes N*K. Then aim for ~4 programs per SM.
     """
+    kb = -(-k // _BLOCK)
+    if kb < SPLIT_K_MIN_KB or tiles >= num_sms or 4 * kb * m * n > SPLIT_K_MAX_WS_FRACTION * n * k:
+        return 1
+    return min(kb, -(-_SPLIT_K_PROGRAMS_PER_SM * num_sms // tiles))
+
+
+def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H200, fast_accum: bool = False) -> dict:
+    """Tile config for an [M, K] x [N, K]^T FP8 GEMM (keys: BLOCK_M, BLOCK_N, GROUP_M,
+    num_warps, num_stages, IMPRECISE, SPLIT_K).
+
+    Decode (M <= 16): weight-bandwidth bound, a GEMV in disguise. BLOCK_M = 16 (Triton
+    then uses mma.sync, whose fp8 sums matched the reference bitwise on the H200) and
+    BLOCK_N = 64 (the fastest single-pass tile at M = 1 on 4 of the 6 V4 shapes in the
+    H200 sweep). N / 64 tiles alone put 12-112 programs on 132 SMs, each streaming all of
+    K (measured ~1 TB/s), so the exact split-K (choose_split_k) spreads K over ~4
+    programs per SM.
+    Mid M (<= 128): 64-row tiles, single pass (the split-K workspace would outweigh the
+    weights).
+    Prefill: 64 x 128, 4 warps, 4 stages -- the best of the swept configs at M = 4096 on
+    all six shapes (H200: flash gate_up 302 us vs 540 us for 128 x 128 x 8 warps and
+    1393 us for 128 x 256, which spills: the fp32 accumulator plus the fp32 block
+    partial need 2 x 128 registers per thread). Re-tune from the `sweep` rows of
+    scripts/gpu_check_shared.py.
+    fast_accum=True: IMPRECISE = FAST_PREFILL_IMPRECISE for the wgmma (M > 16) tiles:
+    faster, and ~2.5x as many bf16 outputs off by an ulp or more (see _fp8_block_gemm).
+    """
+    imp = FAST_PREFILL_IMPRECISE if fast_accum else 32
     if m <= 16:
-        bn = 64
-        while bn > 16 and -(-n // bn) < 0.9 * num_sms:  # 128 programs on 132 SMs is enough
-            bn //= 2
-        return dict(BLOCK_M=16, BLOCK_N=bn, GROUP_M=1, num_warps=4, num_stages=5, IMPRECISE=32)
+        tiles = -(-n // 64)
+        return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, IMPRECISE=32,
+                    SPLIT_K=choose_split_k(m, n, k, tiles, num_sms))
     if m <= 128:
         bn = 128 if -(-m // 64) * -(-n // 128) >= num_sms else 64
-        return dict(BLOCK_M=64, BLOCK_N=bn, GROUP_M=8, num_warps=4, num_stages=4, IMPRECISE=32)
-    tiles_256 = -(-m // 128) * -(-n // 256)
-    if n >= 2048 and tiles_256 >= 2 * num_sms:
-        return dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3, IMPRECISE=32)
-    return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4, IMPRECISE=32)
+        return dict(BLOCK_M=64, BLOCK_N=bn, GROUP_M=8, num_warps=4, num_stages=4, IMPRECISE=imp, SPLIT_K=1)
+    return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4, IMPRECISE=imp, SPLIT_K=1)
 
 
 def fp8_block_gemm_nt(q: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, *,
-                      out: Optional[torch.Tensor] = None, config: Optional[dict] = None) -> torch.Tensor:
+                      out: Optional[torch.Tensor] = None, config: Optional[dict] = None,
+                      split_k: Optional[int] = None) -> torch.Tensor:
     """Block-scaled FP8 GEMM, bf16 output.
 
     Args:
@@ -62,7 +96,12 @@ def fp8_block_gemm_nt(q: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, sw: to
         sw   [ceil(N/128), ceil(K/128)]  float8_e8m0fnu | uint8 (e8m0 bytes) | float32
         out  [M, N]                      bfloat16, optional, unit column stride
         config                           optional tile dict (choose_config's keys)
+        split_k                          optional override of config's SPLIT_K: 1 = single
+                                         pass, > 1 = exact split-K over that many K-block
+                                         groups (clipped to ceil(K/128)); same bits as the
+                                         single pass for the same tile config
     Returns: out [M, N] bfloat16. M = 0 returns an empty tensor without a launch.
+    Split-K allocates a float32 workspace [ceil(K/128), M, N] per call.
     """
     fn = "fp8_block_gemm_nt"
     for name, t in (("q", q), ("w", w)):
@@ -94,9 +133,16 @@ def fp8_block_gemm_nt(q: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, sw: to
     elif out.dtype != torch.bfloat16 or tuple(out.shape) != (m, n) or (out.numel() and out.stride(1) != 1):
         raise ValueError(f"{fn}: out must be bfloat16 {(m, n)} with unit column stride, got "
                          f"{out.dtype} {tuple(out.shape)} strides {tuple(out.stride())}")
+    if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1):
+        raise ValueError(f"{fn}: split_k={split_k!r}, expected None or an int >= 1")
     if m == 0:
         return out
     cfg = dict(config) if config is not None else choose_config(m, n, k)
+    if split_k is not None:
+        cfg["SPLIT_K"] = split_k
+    sk = cfg.get("SPLIT_K", 1)
+    if isinstance(sk, bool) or not isinstance(sk, int) or sk < 1:
+        raise ValueError(f"{fn}: config SPLIT_K={sk!r}, expected an int >= 1")
     if not 0 < cfg.get("IMPRECISE", 32) <= _BLOCK:
         raise ValueError(f"{fn}: config IMPRECISE={cfg['IMPRECISE']}, expected 1..128 (tl.dot max_num_imprecise_acc)")
     from ._fp8_block_gemm import launch_fp8_block_gemm

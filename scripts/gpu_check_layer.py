@@ -128,7 +128,10 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     dev = torch.device("cuda")
     tokens = [1, 16, 256] if args.quick else [1, 16, 256, 1000, 4096]
-    cases = [("flash", MoEConfig.flash(), {}), ("pro-tp8", MoEConfig.pro(), {"tp_size": 8})]
+    # Pro at TP8 is run as the per-rank layer (I = 384) on its own: one GPU holds one rank,
+    # and the cross-rank reduce is torch.distributed's (tested on CPU with gloo).
+    pro_rank = MoEConfig.pro().replace(moe_intermediate_size=384, name="pro-tp8-rank")
+    cases = [("flash", MoEConfig.flash(), {}), ("pro-tp8", pro_rank, {})]
     for name, cfg, kw in cases:
         t0 = time.time()
         w = random_layer_weights(cfg, layer_idx=5, seed=0, device=dev, **kw)

@@ -12,8 +12,14 @@ Sections (each guarded: an exception becomes an "error" row, the script goes on)
             accumulation), torch blockwise scaled_mm (every weight-scale layout), deep_gemm
             (if importable) vs the reference fp8_gemm (fp64 in-block sums, on the GPU)
   t_swiglu  timing fused vs unfused (CUDA graphs, rotated inputs), GB/s and % of copy
-  t_gemm    timing Triton vs scaled_mm at the shared-expert shapes, TB/s of weights, TFLOP/s
-  sweep     Triton GEMM tile configs at M=1 and M=4096 per shape (pick defaults from it)
+  t_gemm    timing Triton vs scaled_mm at the shared-expert shapes, TB/s of weights, TFLOP/s;
+            then ("t_splitk" rows) exact split-K vs single pass with the same tiles at
+            M in {1, 4, 16, 64}: both timed, and split-K == single pass bitwise ("ok")
+  sweep     Triton GEMM tile configs at M=1 (single pass and split-K) and M=4096 (incl.
+            IMPRECISE=128, the fast_accum mode) per shape (pick defaults from it)
+
+GEMM only (what the lead runs for the GEMM kernels, ~200 s):
+    OUT=./out python scripts/gpu_check_shared.py --parts hw,gemm,t_gemm,sweep --budget 200
 """
 
 from __future__ import annotations
@@ -53,13 +59,26 @@ GEMM_SHAPES = [
 GEMM_M = [1, 4, 16, 64, 256, 1024, 4096, 8192]
 FMT_M = [1, 63, 4096]          # scale-format and filtering checks
 GEMM_CHECK_M = [1, 16, 256, 4096]  # GEMM correctness
+_DEC = dict(BLOCK_M=16, GROUP_M=1, num_warps=4, IMPRECISE=32)
+_PRE = dict(GROUP_M=8, IMPRECISE=32)
 SWEEP = {
-    1: [dict(BLOCK_M=16, BLOCK_N=bn, GROUP_M=1, num_warps=w, num_stages=s)
-        for bn, w, s in ((16, 4, 4), (32, 4, 4), (32, 4, 6), (64, 4, 4), (64, 4, 6), (128, 4, 4))],
-    4096: [dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=w, num_stages=s)
-           for bm, bn, w, s in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (64, 128, 4, 4),
-                                (128, 64, 4, 4), (256, 128, 8, 3))],
+    # decode: single pass (SPLIT_K 1) vs exact split-K at a few group counts
+    1: [dict(_DEC, BLOCK_N=bn, num_stages=st, SPLIT_K=sk)
+        for bn, st, sk in ((32, 6, 1), (64, 4, 1), (32, 4, 8), (64, 4, 4), (64, 4, 8), (64, 4, 16),
+                           (128, 4, 16))],
+    # prefill: 4-warp 64-row tiles (best in the first H200 run), 8-warp tiles, and
+    # IMPRECISE=128 (fast_accum) variants, which skip the per-wgmma fp32 promotion.
+    # ptxas -v for sm_90a (compiled offline, see kernels/_fp8_block_gemm.py NOTE):
+    # 64x128x4w IMPRECISE=32 255 regs + 52 B spill; 64x128x8w 242 regs, no spill;
+    # 128x64x8w 245, none; 128x128x8w 255 + 268 B spill; with IMPRECISE=128: 64x128x4w 190,
+    # 64x128x8w 149, 64x256x8w 186, 128x128x8w 255 (no spill).
+    4096: [dict(_PRE, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, **x)
+           for bm, bn, w, st, x in ((64, 128, 4, 3, {}), (64, 128, 4, 4, {}), (64, 128, 8, 4, {}),
+                                    (128, 64, 8, 4, {}), (64, 128, 4, 4, dict(GROUP_M=16)), (128, 128, 8, 4, {}),
+                                    (64, 128, 4, 4, dict(IMPRECISE=128)), (64, 128, 8, 4, dict(IMPRECISE=128)),
+                                    (64, 256, 8, 3, dict(IMPRECISE=128)), (128, 128, 8, 4, dict(IMPRECISE=128)))],
 }
+SPLIT_M = [1, 4, 16, 64]   # t_gemm: exact split-K vs single pass (same tiles), timing + bitwise
 
 
 def log(*a):
@@ -362,6 +381,27 @@ def part_gemm_timing():
                 row["scaled_mm_skipped"] = why
             add(row)
             del ws
+        for m in SPLIT_M:
+            if time_left() < 45:
+                add(dict(part="t_splitk", shape=label, M=m, skipped="time budget"))
+                continue
+            x, q, sa, ws = gemm_case(m, n, k, seed=4, nsets=nw)
+            cfg = choose_config(m, n, k)
+            kb = -(-k // 128)
+            tiles = -(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
+            # the chooser's split where it splits, else a forced one (to see the crossover)
+            sk = cfg["SPLIT_K"] if cfg["SPLIT_K"] > 1 else max(2, min(kb, -(-4 * 132 // tiles)))
+            one = fp8_block_gemm_nt(q, sa, ws[0][0], ws[0][1], config=cfg, split_k=1)
+            many = fp8_block_gemm_nt(q, sa, ws[0][0], ws[0][1], config=cfg, split_k=sk)
+            row = dict(part="t_splitk", shape=label, M=m, N=n, K=k, config=cfg, split_k=sk,
+                       chooser_splits=cfg["SPLIT_K"] > 1, ws_MB=4 * kb * m * n / 1e6, ok=bytes_equal(one, many))
+            for name, s_k in (("single", 1), ("split", sk)):
+                us = bench([lambda w=w, sw=sw, s_k=s_k: fp8_block_gemm_nt(q, sa, w, sw, config=cfg, split_k=s_k)
+                            for w, sw in ws])
+                row[f"us_{name}"] = us
+                row[f"TBps_{name}"] = wbytes / us / 1e6
+            add(row)
+            del ws
 
 
 def part_sweep():
@@ -415,6 +455,13 @@ def summary():
             lines.append(f"{r['shape']:18s} {r['M']:5d} {r['us_triton']:9.2f} {r['TBps_w_triton']:6.2f} "
                          f"{r['TFLOPs_triton']:6.0f} {r.get('us_scaled_mm', float('nan')):12.2f} "
                          f"{r.get('TBps_w_scaled_mm', float('nan')):6.2f} {r.get('TFLOPs_scaled_mm', float('nan')):6.0f}")
+    lines.append(f"{'split-K shape':18s} {'M':>5s} {'split':>5s} {'chosen':>6s} {'ws MB':>6s} {'single us':>9s} "
+                 f"{'TB/s':>5s} {'split us':>8s} {'TB/s':>5s} {'bitwise':>7s}")
+    for r in ROWS:
+        if r["part"] == "t_splitk" and "us_single" in r:
+            lines.append(f"{r['shape']:18s} {r['M']:5d} {r['split_k']:5d} {str(r['chooser_splits']):>6s} "
+                         f"{r['ws_MB']:6.2f} {r['us_single']:9.2f} {r['TBps_single']:5.2f} {r['us_split']:8.2f} "
+                         f"{r['TBps_split']:5.2f} {str(r['ok']):>7s}")
     best = {}
     for r in ROWS:
         if r["part"] == "sweep" and "us" in r:
@@ -423,7 +470,7 @@ def summary():
                 best[key] = r
     for (shape, m), r in best.items():
         lines.append(f"sweep best {shape:18s} M={m:5d} {r['us']:8.2f} us  {r['config']}  diff%={100 * r['frac_diff']:.3f}")
-    lines.append(f"command: OUT={OUT} python scripts/gpu_check_shared.py --budget {ARGS.budget:g}"
+    lines.append(f"command: OUT={OUT} python scripts/gpu_check_shared.py --parts {ARGS.parts} --budget {ARGS.budget:g}"
                  + (" --quick" if ARGS.quick else ""))
     txt = "\n".join(lines)
     print(txt)

@@ -13,7 +13,8 @@ import torch
 
 from dsv4_moe import reference as ref
 from dsv4_moe.kernels.act_quant import act_quant
-from dsv4_moe.kernels.fp8_block_gemm import choose_config, fp8_block_gemm_nt
+from dsv4_moe.kernels.fp8_block_gemm import (NUM_SMS_H200, SPLIT_K_MAX_WS_FRACTION, SPLIT_K_MIN_KB, choose_config,
+                                             choose_split_k, fp8_block_gemm_nt)
 from dsv4_moe.kernels.scaled_mm_fp8 import scaled_mm_supported
 from dsv4_moe.kernels.deep_gemm_fp8 import deep_gemm_supported
 
@@ -61,6 +62,7 @@ def test_matches_reference(m, n, k):
 def test_float32_weight_scales_and_forced_config():
     check(20, 256, 256, sw_dtype=torch.float32, config=dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=2, num_warps=4,
                                                            num_stages=2))
+    check(20, 256, 1024, config=dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=2, num_warps=4, num_stages=2, SPLIT_K=3))
 
 
 def test_column_major_padded_activation_scales():
@@ -91,9 +93,81 @@ def test_m0_no_launch(monkeypatch):
 
 
 def test_choose_config_shapes():
-    assert choose_config(1, 4096, 4096)["BLOCK_N"] == 32    # 128 programs on 132 SMs
-    assert choose_config(1, 768, 7168)["BLOCK_N"] == 16     # V4-Pro TP8 gate_up
-    assert choose_config(8192, 4096, 4096)["BLOCK_M"] == 128
+    c = choose_config(1, 4096, 4096)                        # V4-Flash gate_up decode
+    assert (c["BLOCK_M"], c["BLOCK_N"]) == (16, 64) and c["SPLIT_K"] > 1
+    assert 4096 // 64 * c["SPLIT_K"] >= 2 * NUM_SMS_H200    # split-K fills the GPU
+    assert choose_config(1, 768, 7168)["SPLIT_K"] > 1       # V4-Pro TP8 gate_up: 12 tiles
+    assert choose_config(1, 7168, 384)["SPLIT_K"] == 1      # K = 3 blocks: single pass
+    c = choose_config(8192, 4096, 4096)
+    assert c["SPLIT_K"] == 1 and c["IMPRECISE"] == 32 and c["BLOCK_M"] >= 64
+    assert choose_config(8192, 4096, 4096, fast_accum=True)["IMPRECISE"] == 128
+
+
+def test_choose_split_k_workspace_crossover():
+    # Workspace 4*KB*M*N bytes vs weights N*K: (M / 32) x; allowed up to half -> M <= 16.
+    n, k = 4096, 4096
+    assert choose_split_k(16, n, k, tiles=64) > 1
+    assert choose_split_k(17, n, k, tiles=64) == 1
+    assert 4 * (k // 128) * 16 * n <= SPLIT_K_MAX_WS_FRACTION * n * k < 4 * (k // 128) * 17 * n
+    assert choose_split_k(1, n, k, tiles=NUM_SMS_H200) == 1          # tiles already fill the GPU
+    assert choose_split_k(1, n, 128 * (SPLIT_K_MIN_KB - 1), tiles=8) == 1
+    assert choose_split_k(1, n, 128 * SPLIT_K_MIN_KB, tiles=8) == SPLIT_K_MIN_KB  # capped at KB
+    assert choose_split_k(1, 768, 7168, tiles=12) == 44               # ~4 programs per SM
+
+
+@pytest.mark.parametrize("m,n,k,split_k", [(1, 128, 1024, 8), (3, 256, 1024, 3), (5, 200, 300, 2),
+                                           (17, 384, 640, 100), (2, 768, 384, 3)])
+def test_split_k_bitwise_equals_single_pass(m, n, k, split_k):
+    q, sa, w, sw = make_case(m, n, k, seed=m * 7 + k)
+    args = (q.to(DEV), sa.to(DEV), w.to(DEV), sw.to(DEV))
+    cfg = choose_config(m, n, k)
+    one = fp8_block_gemm_nt(*args, config=cfg, split_k=1).cpu()
+    many = fp8_block_gemm_nt(*args, config=cfg, split_k=split_k).cpu()
+    assert torch.equal(one.view(torch.int16), many.view(torch.int16))
+    want = ref.fp8_gemm(q, sa, w, sw)
+    ulp = bf16_ulp_diff(many, want)
+    assert (ulp > 0).float().mean().item() <= MAX_DIFF_FRACTION and ulp.max().item() <= MAX_ULP
+
+
+def test_split_k_keeps_cross_block_order():
+    # Block partials v0 = 1 + 2^-8, v1..v7 = 2^-24 (half an fp32 ulp of v0, all exact).
+    # In order, each add is a tie that rounds back to v0 (even), and bf16(1 + 2^-8) is a
+    # tie -> 1.0. Summing v4..v7 first (a plain split-K) gives 2^-22, which survives:
+    # 1 + 2^-8 + 2^-22 -> bf16 1 + 2^-7. So only the exact ordered sum yields 1.0.
+    m, n, k = 1, 128, 1024
+    q = torch.zeros(m, k)
+    w = torch.zeros(n, k)
+    q[0, 0], w[:, 0] = 1.0, 1.0
+    q[0, 1], w[:, 1] = 2.0 ** -4, 2.0 ** -4
+    q[0, 128::128], w[:, 128::128] = 2.0 ** -6, 2.0 ** -6
+    q, w = q.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+    sa = torch.full((m, 8), 2.0 ** -12)
+    sa[:, 0] = 1.0
+    sw = torch.full((1, 8), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    want = ref.fp8_gemm(q, sa, w, sw)
+    assert bool((want == 1.0).all())
+    v = torch.tensor([1 + 2.0 ** -8] + [2.0 ** -24] * 7)
+
+    def seq(xs):
+        acc = torch.zeros((), dtype=torch.float32)
+        for x in xs:
+            acc = acc + x
+        return acc
+    assert seq(v).bfloat16().item() == 1.0
+    assert (seq(v[:4]) + seq(v[4:])).bfloat16().item() == 1 + 2.0 ** -7  # plain split-K differs
+    for split_k in (1, 2, 4, 8):
+        got = fp8_block_gemm_nt(q.to(DEV), sa.to(DEV), w.to(DEV), sw.to(DEV), split_k=split_k).cpu()
+        assert bool((got == 1.0).all()), f"split_k={split_k}: {got[0, :4]}"
+
+
+def test_split_k_strided_out_and_float32_scales():
+    q, sa, w, sw = make_case(4, 200, 1024, seed=11, sw_dtype=torch.float32)
+    big = torch.full((4, 264), 7.0, dtype=torch.bfloat16, device=DEV)
+    out = big[:, 32:232]
+    fp8_block_gemm_nt(q.to(DEV), sa.to(DEV), w.to(DEV), sw.to(DEV), out=out, split_k=4)
+    one = fp8_block_gemm_nt(q.to(DEV), sa.to(DEV), w.to(DEV), sw.to(DEV), split_k=1)
+    assert torch.equal(out.cpu().view(torch.int16), one.cpu().view(torch.int16))
+    assert bool((big[:, :32] == 7.0).all()) and bool((big[:, 232:] == 7.0).all())
 
 
 def test_wrapper_errors_name_the_argument():
@@ -108,6 +182,11 @@ def test_wrapper_errors_name_the_argument():
         fp8_block_gemm_nt(q, sa, w, sw[:, :1])
     with pytest.raises(ValueError, match="sw.dtype"):
         fp8_block_gemm_nt(q, sa, w, sw.view(torch.int8))
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="split_k"):
+            fp8_block_gemm_nt(q, sa, w, sw, split_k=bad)
+    with pytest.raises(ValueError, match="SPLIT_K"):
+        fp8_block_gemm_nt(q, sa, w, sw, config=dict(choose_config(2, 128, 256), SPLIT_K=0))
 
 
 def test_optional_paths_say_why_on_cpu():
