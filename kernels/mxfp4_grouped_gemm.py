@@ -15,13 +15,8 @@ Used for gate_up (w [E, 2I, H/2], gather_a, out [max_rows, 2I]) and down
 of 32 (I = 384 gives 12 scale groups over 3 activation blocks; no padding).
 
 Block configs: `select_config(num_routes, num_local, n, k)` picks by the expected rows
-per expert (routes / local experts, uniform routing assumed):
-  * < 16 rows/expert (decode: most blocks hold 1..few routes)  BLOCK_M 16, BLOCK_N 64
-  * < 64                                                        BLOCK_M 32, BLOCK_N 64
-  * < 256                                                       BLOCK_M 64, BLOCK_N 128
-  * otherwise (prefill)                                         BLOCK_M 128, BLOCK_N 128
-TODO: re-tune from `scripts/gpu_check_routed.py --sweep` on the H200 (section "sweep");
-the thresholds above are first guesses from the tile sizes, not measurements yet.
+per expert (routes / local experts, uniform routing assumed): BLOCK_M 16 x BLOCK_N 128
+below 64 rows per expert, 64 x 256 above (measured on the H200, see select_config).
 """
 
 from __future__ import annotations
@@ -50,15 +45,17 @@ class GemmConfig:
 
 
 def select_config(num_routes: int, num_local: int, n: int, k: int) -> GemmConfig:
-    """Block config for R routes over E_local experts into an N x K weight (see module doc)."""
+    """Block config for R routes over E_local experts into an N x K weight (see module doc).
+
+    NOTE: from the H200 sweep of scripts/gpu_check_routed.py (2026-11-29, bf16-MMA kernel):
+    decode (T = 1, 64) was fastest at 16 x 128, 4 warps, 3 stages (Flash T=1 gate_up 118.6
+    us vs 128.0 at 16 x 64; Pro-TP8 T=64 944 vs 1395 us); T = 4096 at 64 x 256, 8 warps
+    (6.9 ms vs 7.6 at 64 x 128). Re-tune with that script's sweep section.
+    """
     rows = num_routes / max(num_local, 1)
-    if rows < 16:
-        return GemmConfig(16, 64, 4, 4)
     if rows < 64:
-        return GemmConfig(32, 64, 4, 4)
-    if rows < 256:
-        return GemmConfig(64, 128, 4, 3)
-    return GemmConfig(128, 128, 8, 3)
+        return GemmConfig(16, 128, 4, 3)
+    return GemmConfig(64, 256, 8, 3)
 
 
 def _fail(name: str, t, expected: str) -> None:

@@ -144,4 +144,5 @@ def test_zero_tokens_no_launch_and_guards():
 
 def test_select_config_decode_vs_prefill():
     assert select_config(6, 256, 4096, 4096).block_m == 16
-    assert select_config(32768 * 6, 256, 4096, 4096).block_m == 128
+    assert select_config(32768 * 6, 256, 4096, 4096).block_m == 64
+    assert select_config(63 * 256, 256, 4096, 4096).block_m == 16  # crossover at 64 rows per expert
