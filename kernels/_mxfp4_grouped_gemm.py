@@ -25,7 +25,7 @@ one 128-wide activation block, as the contract allows. The dispatch predicate re
 layers whose scale bytes leave [0, 128] (checked once at load).
 
 e2m1 magnitude code c = e1 e0 m: value 2^(e-1) (1 + m/2) for e = c >> 1 >= 1, 0.5 for
-c = 1, 0 for c = 0; see `_nibbles_to_bf16` for the exact bit construction.
+c = 1, 0 for c = 0; see `_nibbles_to_f32` for the exact bit construction.
 """
 
 import triton
@@ -35,15 +35,15 @@ from ._triton_utils import round_to_bf16
 
 
 @triton.jit
-def _nibbles_to_bf16(bits_lo, bits_hi, scale, SELECT: tl.constexpr):
-    """Packed bytes (int32) -> bf16 weights of the low (even k) and high (odd k) nibbles,
-    times `scale` = 2^(s-127) * 2^126 (fp32).
+def _nibbles_to_f32(bits_lo, bits_hi, SELECT: tl.constexpr):
+    """Packed bytes (int32) -> fp32 e2m1(c) * 2^-126 of the low (even k) and high (odd k)
+    nibbles.
 
     The fp32 with sign bit 31 and magnitude code c at bits 22..24 is exactly
     e2m1(c) * 2^-126 (c = 1, e2m1's subnormal 0.5, lands on fp32's subnormal 2^-127), so
-    one exact fp32 multiply by 2^(s-1) gives e2m1(c) * 2^(s-127); the bf16 cast is exact.
-    SELECT=True builds the subnormal case with a select instead (for targets that flush
-    fp32 subnormals).
+    one exact fp32 multiply by 2^(s-1) then gives e2m1(c) * 2^(s-127), and the bf16 cast
+    of that is exact. SELECT=True builds the subnormal case with a select instead (for
+    targets that flush fp32 subnormals).
     """
     lo = ((bits_lo & 0x8) << 28) | ((bits_lo & 0x7) << 22)
     hi = ((bits_hi & 0x80) << 24) | ((bits_hi & 0x70) << 18)
@@ -53,7 +53,7 @@ def _nibbles_to_bf16(bits_lo, bits_hi, scale, SELECT: tl.constexpr):
         flo = tl.where((bits_lo & 0x7) == 1, tl.where((bits_lo & 0x8) != 0, -1.0, 1.0) * 5.877471754111438e-39, flo)
         fhi = tl.where((bits_hi & 0x70) == 0x10, tl.where((bits_hi & 0x80) != 0, -1.0, 1.0) * 5.877471754111438e-39,
                        fhi)
-    return (flo * scale).to(tl.bfloat16), (fhi * scale).to(tl.bfloat16)
+    return flo, fhi
 
 
 @triton.jit
@@ -72,6 +72,10 @@ def _mxfp4_grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
     SOFTWARE_BF16: tl.constexpr,  # interpreter only: its fp32 -> bf16 cast truncates
     SELECT_SUBNORMAL: tl.constexpr = False,
+    A_SPLIT: tl.constexpr = False,      # activations loaded contiguous, split even/odd in registers
+    W_KN: tl.constexpr = False,         # weight tile loaded K-major (no transpose before the dot)
+    SCALE_BCAST: tl.constexpr = False,  # 4 scale bytes per row, broadcast over 16 columns in registers
+    DIAG: tl.constexpr = 0,             # probes only (scripts/gpu_probe_mxfp4.py): 1 skip dequant, 2 skip MMA
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -96,28 +100,70 @@ def _mxfp4_grouped_gemm_kernel(
     # nibbles into k order (a register shuffle that dominated the first version: 0.4-0.5
     # TB/s measured on the H200); the sum over the block is the same set of exact products.
     kh = tl.arange(0, 64)
-    a_ptrs = a_ptr + arow[:, None] * stride_am + 2 * kh[None, :]
-    w_ptrs = w_ptr + e * stride_we + n_safe[:, None] * stride_wn + kh[None, :]
+    k4 = tl.arange(0, 4)
+    kk = tl.arange(0, 128)
+    if A_SPLIT:
+        a_ptrs = a_ptr + arow[:, None] * stride_am + kk[None, :]
+    else:
+        a_ptrs = a_ptr + arow[:, None] * stride_am + 2 * kh[None, :]
+    if W_KN:  # weight tile loaded as [64 bytes along K, BLOCK_N]: the dot's B without a transpose
+        w_ptrs = w_ptr + e * stride_we + n_safe[None, :] * stride_wn + kh[:, None]
+    else:
+        w_ptrs = w_ptr + e * stride_we + n_safe[:, None] * stride_wn + kh[None, :]
     sa_ptrs = sa_ptr + arow * stride_sam
-    sw_ptrs = sw_ptr + e * stride_swe + n_safe[:, None] * stride_swn + (kh // 16)[None, :]
+    if SCALE_BCAST:
+        sw_ptrs = sw_ptr + e * stride_swe + n_safe[:, None] * stride_swn + k4[None, :]
+    elif W_KN:
+        sw_ptrs = sw_ptr + e * stride_swe + n_safe[None, :] * stride_swn + (kh // 16)[:, None]
+    else:
+        sw_ptrs = sw_ptr + e * stride_swe + n_safe[:, None] * stride_swn + (kh // 16)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in tl.range(0, (K + 127) // 128, num_stages=NUM_STAGES):
         k0 = kb * 128
-        kmask = (k0 // 2 + kh)[None, :] < K // 2
-        a_even = tl.load(a_ptrs + k0, mask=kmask, other=0.0)
-        a_odd = tl.load(a_ptrs + k0 + 1, mask=kmask, other=0.0)
+        if A_SPLIT:
+            a = tl.load(a_ptrs + k0, mask=(k0 + kk)[None, :] < K, other=0.0)
+            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, 64, 2)))
+        else:
+            amask = (k0 // 2 + kh)[None, :] < K // 2
+            a_even = tl.load(a_ptrs + k0, mask=amask, other=0.0)
+            a_odd = tl.load(a_ptrs + k0 + 1, mask=amask, other=0.0)
+        if W_KN:
+            kmask = (k0 // 2 + kh)[:, None] < K // 2
+        else:
+            kmask = (k0 // 2 + kh)[None, :] < K // 2
         packed = tl.load(w_ptrs + k0 // 2, mask=kmask, other=0).to(tl.int32)
-        sbyte = tl.load(sw_ptrs + k0 // 32, mask=kmask, other=127).to(tl.int32)
-        scale = ((sbyte + 126) << 23).to(tl.float32, bitcast=True)  # 2^(s-1); exact for s <= 128
-        w_lo, w_hi = _nibbles_to_bf16(packed, packed, scale, SELECT_SUBNORMAL)
+        if SCALE_BCAST:
+            sb4 = tl.load(sw_ptrs + k0 // 32, mask=(k0 // 32 + k4)[None, :] < K // 32, other=127).to(tl.int32)
+            sc4 = ((sb4 + 126) << 23).to(tl.float32, bitcast=True)
+            f_lo, f_hi = _nibbles_to_f32(packed, packed, SELECT_SUBNORMAL)
+            w_lo = tl.reshape(tl.reshape(f_lo, (BLOCK_N, 4, 16)) * sc4[:, :, None], (BLOCK_N, 64)).to(tl.bfloat16)
+            w_hi = tl.reshape(tl.reshape(f_hi, (BLOCK_N, 4, 16)) * sc4[:, :, None], (BLOCK_N, 64)).to(tl.bfloat16)
+        else:
+            sbyte = tl.load(sw_ptrs + k0 // 32, mask=kmask, other=127).to(tl.int32)
+            scale = ((sbyte + 126) << 23).to(tl.float32, bitcast=True)  # 2^(s-1); exact for s <= 128
+            if DIAG == 1:  # probe: no conversion (wrong values; isolates load + MMA cost)
+                w_lo = packed.to(tl.bfloat16)
+                w_hi = w_lo
+            else:
+                f_lo, f_hi = _nibbles_to_f32(packed, packed, SELECT_SUBNORMAL)
+                w_lo = (f_lo * scale).to(tl.bfloat16)
+                w_hi = (f_hi * scale).to(tl.bfloat16)
+        if W_KN:
+            b_lo = w_lo
+            b_hi = w_hi
+        else:
+            b_lo = tl.trans(w_lo)
+            b_hi = tl.trans(w_hi)
         if SOFTWARE_BF16:
             # NOTE: the Triton 3.6 interpreter multiplies bf16 dot operands as raw integers
             # (measured: errors ~1e10); fp32 operands hold the same exact values there.
-            part = tl.dot(a_even.to(tl.float32), tl.trans(w_lo.to(tl.float32)), input_precision="ieee")
-            part = tl.dot(a_odd.to(tl.float32), tl.trans(w_hi.to(tl.float32)), part, input_precision="ieee")
+            part = tl.dot(a_even.to(tl.float32), b_lo.to(tl.float32), input_precision="ieee")
+            part = tl.dot(a_odd.to(tl.float32), b_hi.to(tl.float32), part, input_precision="ieee")
+        elif DIAG == 2:  # probe: no MMA (isolates load + conversion cost)
+            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) + tl.sum(b_lo.to(tl.float32) + b_hi.to(tl.float32), axis=0)[None, :] + tl.sum(a_even.to(tl.float32) + a_odd.to(tl.float32), axis=1)[:, None]
         else:
-            part = tl.dot(a_even.to(tl.bfloat16), tl.trans(w_lo))
-            part = tl.dot(a_odd.to(tl.bfloat16), tl.trans(w_hi), part)
+            part = tl.dot(a_even.to(tl.bfloat16), b_lo)
+            part = tl.dot(a_odd.to(tl.bfloat16), b_hi, part)
         s_a = tl.load(sa_ptrs + kb)
         acc += part * s_a[:, None]
 

@@ -16,7 +16,7 @@ of 32 (I = 384 gives 12 scale groups over 3 activation blocks; no padding).
 
 Block configs: `select_config(num_routes, num_local, n, k)` picks by the expected rows
 per expert (routes / local experts, uniform routing assumed): BLOCK_M 16 x BLOCK_N 128
-below 64 rows per expert, 64 x 256 above (measured on the H200, see select_config).
+below 64 rows per expert, 64 x 128 above (measured on the H200, see select_config).
 """
 
 from __future__ import annotations
@@ -36,6 +36,14 @@ class GemmConfig:
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    # layout flags (see _mxfp4_grouped_gemm_kernel). NOTE: a_split + scale_bcast measured
+    # fastest on the H200 at every T (scripts/gpu_probe_mxfp4.py, 2026-11-29): Flash gate_up
+    # T=1 112 -> 62 us, T=16 1079 -> 546 us, T=4096 (64x128) 21954 -> 4572 us; results
+    # bitwise equal to the plain layout.
+    a_split: bool = True
+    w_kn: bool = False
+    scale_bcast: bool = True
+    diag: int = 0              # probes only: 1 = skip dequant, 2 = skip MMA (wrong results)
 
     def __post_init__(self) -> None:
         if self.block_m not in (16, 32, 64, 128, 256):
@@ -47,15 +55,15 @@ class GemmConfig:
 def select_config(num_routes: int, num_local: int, n: int, k: int) -> GemmConfig:
     """Block config for R routes over E_local experts into an N x K weight (see module doc).
 
-    NOTE: from the H200 sweep of scripts/gpu_check_routed.py (2026-11-29, bf16-MMA kernel):
-    decode (T = 1, 64) was fastest at 16 x 128, 4 warps, 3 stages (Flash T=1 gate_up 118.6
-    us vs 128.0 at 16 x 64; Pro-TP8 T=64 944 vs 1395 us); T = 4096 at 64 x 256, 8 warps
-    (6.9 ms vs 7.6 at 64 x 128). Re-tune with that script's sweep section.
+    NOTE: from the H200 probe (scripts/gpu_probe_mxfp4.py, 2026-11-29, a_split +
+    scale_bcast): decode (T <= 256, < 64 rows per expert) fastest at 16 x 128, 4 warps,
+    3 stages (Flash gate_up T=16: 546 us vs 640 at 16 x 64); T = 4096 at 64 x 128, 4 warps
+    (Pro-TP8 1772 us vs 2258 at 128 x 128 / 8 warps; Flash 4572 vs 4258, 7% behind).
     """
     rows = num_routes / max(num_local, 1)
     if rows < 64:
         return GemmConfig(16, 128, 4, 3)
-    return GemmConfig(64, 256, 8, 3)
+    return GemmConfig(64, 128, 4, 3)
 
 
 def _fail(name: str, t, expected: str) -> None:
@@ -118,6 +126,7 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
         A_GATHER=gather_a, OUT_SCATTER=scatter_out, K=k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         SOFTWARE_BF16=interpreting(),
+        A_SPLIT=cfg.a_split, W_KN=cfg.w_kn, SCALE_BCAST=cfg.scale_bcast, DIAG=cfg.diag,
         num_warps=cfg.num_warps,
     )
     return out

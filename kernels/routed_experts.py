@@ -24,6 +24,7 @@ rounding of gu (and from there, rarely, an FP8 code of hq). No host syncs: captu
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -46,7 +47,7 @@ def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmCo
     up = select_config(num_routes, routed.num_local, 2 * i, h)
     down = select_config(num_routes, routed.num_local, h, i)
     if down.block_m != up.block_m:
-        down = GemmConfig(up.block_m, down.block_n, down.num_warps, down.num_stages)
+        down = dataclasses.replace(down, block_m=up.block_m)
     return up, down
 
 

@@ -146,3 +146,19 @@ def test_select_config_decode_vs_prefill():
     assert select_config(6, 256, 4096, 4096).block_m == 16
     assert select_config(32768 * 6, 256, 4096, 4096).block_m == 64
     assert select_config(63 * 256, 256, 4096, 4096).block_m == 16  # crossover at 64 rows per expert
+
+
+@pytest.mark.parametrize("flags", [dict(a_split=False, scale_bcast=False), dict(a_split=True, scale_bcast=False),
+                                   dict(a_split=False, scale_bcast=True), dict(w_kn=True, scale_bcast=False)],
+                         ids=["plain", "a_split", "scale_bcast", "w_kn"])
+def test_layout_flags_match_default(flags):
+    """Every load layout of the kernel computes the same bits as the default one."""
+    g = torch.Generator().manual_seed(4)
+    w, s = _weights(4, 128, 256, g)
+    q, sa = ref.act_quant(torch.randn(5, 256, generator=g).bfloat16())
+    ids = _ids(5, 3, 4, g)
+    a = moe_align(ids.int(), 4, 0, 16)
+    base = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=GemmConfig(16, 64))
+    other = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=GemmConfig(16, 64, **flags))
+    rows = a.route_rows.long()
+    assert torch.equal(base[rows].view(torch.int16), other[rows].view(torch.int16))
