@@ -176,14 +176,19 @@ class ScaledMMSharedPeer(Peer):
         return None
 
     @staticmethod
-    def _candidates(w, s_rowmajor, s_cm):
+    def _candidates(w, s_rowmajor, s_cm, s_cm4=None):
         try:
             from torch.nn.functional import ScalingType, scaled_mm
         except ImportError:
             ScalingType = scaled_mm = None
         out = {}
+        layouts = [("colmajor (K/128,N/128)", s_cm), ("rowmajor (N/128,K/128)", s_rowmajor)]
+        if s_cm4 is not None:
+            # NOTE: torch 2.11 wants K/128 padded to a multiple of 4 when it is not one (Pro TP8
+            # down: K = 384 -> 3 blocks); kernels/scaled_mm_fp8.py's "kn_cm4" layout, proven on the H200.
+            layouts.insert(1, ("colmajor padded (K4/128,N/128)", s_cm4))
         if scaled_mm is not None:
-            for nm, sb in (("colmajor (K/128,N/128)", s_cm), ("rowmajor (N/128,K/128)", s_rowmajor)):
+            for nm, sb in layouts:
                 out[f"F.scaled_mm b={nm}"] = (lambda q, sa, sb=sb: scaled_mm(
                     q, w.t(), sa, ScalingType.BlockWise1x128, sb, ScalingType.BlockWise128x128,
                     output_dtype=torch.bfloat16))
@@ -201,7 +206,7 @@ class ScaledMMSharedPeer(Peer):
             kb4 = (kb + 3) // 4 * 4
             s_pad = torch.zeros(nb, kb4, device=s.device, dtype=torch.float32)
             s_pad[:, :kb] = s
-            cands = self._candidates(w, s.contiguous(), s_pad.t()[:kb])
+            cands = self._candidates(w, s.contiguous(), s_pad.t()[:kb], s_pad.t())
             res.append(cands[self.api[which]])
         return res
 
@@ -225,7 +230,7 @@ class ScaledMMSharedPeer(Peer):
             s_pad = torch.zeros(nb, kb4, device=device)
             s_pad[:, :kb] = s
             tried = {}
-            for nm, fn in self._candidates(w, s.contiguous(), s_pad.t()[:kb]).items():
+            for nm, fn in self._candidates(w, s.contiguous(), s_pad.t()[:kb], s_pad.t()).items():
                 try:
                     o = fn(q, sa)
                     torch.cuda.synchronize()

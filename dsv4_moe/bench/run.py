@@ -116,6 +116,9 @@ def _tokens(s: str) -> list[int]:
 
 
 def _git_commit() -> str:
+    # NOTE: a copy of the tree without .git (the GPU machine) gets it from the environment.
+    if os.environ.get("DSV4_MOE_GIT_COMMIT"):
+        return os.environ["DSV4_MOE_GIT_COMMIT"]
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         res = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
