@@ -24,9 +24,13 @@ _BLOCK = 128
 NUM_SMS_H200 = 132
 # Exact split-K (decode) writes an fp32 workspace [KB, M, N] in phase 1 and reads it back
 # in phase 2: 4*KB*M*N bytes each way, i.e. (M / 32) x the weight bytes N*K. It is used
-# only while that is at most this fraction of the weight bytes (M <= 16 when 128 | K),
-# where the workspace (<= 8.4 MB for V4-Flash gate_up at M = 16) stays in the 60 MB L2.
-SPLIT_K_MAX_WS_FRACTION = 0.5
+# only while that is at most this fraction of the weight bytes (M <= 4 when 128 | K).
+# NOTE: measured on the H200 (docs/bench/2026-11-29/gpu_check_shared.txt, split-K table):
+# split-K wins at M = 1..4 on the gate_up shapes (Flash 19.8 -> 14.8 us, Pro-TP8
+# 28.5 -> 13.7 us, Pro-TP1 30.9 -> 22.5 us) but loses at M = 16 on Pro-TP1 gate_up
+# (25.9 -> 28.9 us) and Flash down (12.4 -> 13.6 us), so the limit was cut from 0.5
+# (M <= 16) to 0.125.
+SPLIT_K_MAX_WS_FRACTION = 0.125
 # ... and only for K >= 8 blocks (1024): with fewer blocks the single pass is short and
 # launch-bound already, and phase 2 is a second launch (re-tune from gpu_check_shared).
 SPLIT_K_MIN_KB = 8

@@ -104,11 +104,11 @@ def test_choose_config_shapes():
 
 
 def test_choose_split_k_workspace_crossover():
-    # Workspace 4*KB*M*N bytes vs weights N*K: (M / 32) x; allowed up to half -> M <= 16.
+    # Workspace 4*KB*M*N bytes vs weights N*K: (M / 32) x; allowed up to 1/8 -> M <= 4.
     n, k = 4096, 4096
-    assert choose_split_k(16, n, k, tiles=64) > 1
-    assert choose_split_k(17, n, k, tiles=64) == 1
-    assert 4 * (k // 128) * 16 * n <= SPLIT_K_MAX_WS_FRACTION * n * k < 4 * (k // 128) * 17 * n
+    assert choose_split_k(4, n, k, tiles=64) > 1
+    assert choose_split_k(5, n, k, tiles=64) == 1
+    assert 4 * (k // 128) * 4 * n <= SPLIT_K_MAX_WS_FRACTION * n * k < 4 * (k // 128) * 5 * n
     assert choose_split_k(1, n, k, tiles=NUM_SMS_H200) == 1          # tiles already fill the GPU
     assert choose_split_k(1, n, 128 * (SPLIT_K_MIN_KB - 1), tiles=8) == 1
     assert choose_split_k(1, n, 128 * SPLIT_K_MIN_KB, tiles=8) == SPLIT_K_MIN_KB  # capped at KB
