@@ -13,6 +13,11 @@ BLOCK_N slice of that expert's output features, and a loop over K in 128-wide bl
     p   = dot(a, w^T)                       bf16 MMA, fp32 accumulation over the 128 k
     acc = acc + p * sa[row, kb]             exact product (power of two)
 
+NOTE: Triton's own `tl.dot_scaled(e4m3, e2m1)` (which also upcasts to bf16 on Hopper) was
+measured slower at every T (Flash gate_up T=1 80.6 vs 62.5 us, T=4096 7701 vs 4553 us)
+and not bitwise equal to this path at T >= 256 (docs/bench/2026-11-29/
+probe_mxfp4_dot_scaled.txt), so it is not used.
+
 Why bf16 MMA and not FP8 MMA: every product q * e2m1 * 2^s is exact in fp32 either way,
 but Hopper's FP8 wgmma keeps only ~14 bits while accumulating inside the instruction
 (measured on the H200: 1.5-2.6% of bf16 outputs off the reference at M >= 64 tiles),
@@ -76,8 +81,6 @@ def _mxfp4_grouped_gemm_kernel(
     W_KN: tl.constexpr = False,         # weight tile loaded K-major (no transpose before the dot)
     SCALE_BCAST: tl.constexpr = False,  # 4 scale bytes per row, broadcast over 16 columns in registers
     DIAG: tl.constexpr = 0,             # probes only (scripts/gpu_probe_mxfp4.py): 1 skip dequant, 2 skip MMA
-    DOT_SCALED: tl.constexpr = False,   # Triton's tl.dot_scaled (e4m3 x e2m1 with e8m0 scales; on
-                                        # Hopper it upcasts both to bf16 exactly, like the path above)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -120,19 +123,7 @@ def _mxfp4_grouped_gemm_kernel(
     else:
         sw_ptrs = sw_ptr + e * stride_swe + n_safe[:, None] * stride_swn + (kh // 16)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if DOT_SCALED:
-        a_ptrs_full = a_ptr + arow[:, None] * stride_am + kk[None, :]
-        w_ptrs_nk = w_ptr + e * stride_we + n_safe[:, None] * stride_wn + kh[None, :]
-        sw_ptrs4 = sw_ptr + e * stride_swe + n_safe[:, None] * stride_swn + k4[None, :]
-        for kb in tl.range(0, (K + 127) // 128, num_stages=NUM_STAGES):
-            k0 = kb * 128
-            a = tl.load(a_ptrs_full + k0, mask=(k0 + kk)[None, :] < K, other=0.0)
-            packed = tl.load(w_ptrs_nk + k0 // 2, mask=(k0 // 2 + kh)[None, :] < K // 2, other=0)
-            sb4 = tl.load(sw_ptrs4 + k0 // 32, mask=(k0 // 32 + k4)[None, :] < K // 32, other=127)
-            part = tl.dot_scaled(a, None, "e4m3", tl.trans(packed), sb4, "e2m1")
-            s_a = tl.load(sa_ptrs + kb)
-            acc += part * s_a[:, None]
-    for kb in tl.range(0, 0 if DOT_SCALED else (K + 127) // 128, num_stages=NUM_STAGES):
+    for kb in tl.range(0, (K + 127) // 128, num_stages=NUM_STAGES):
         k0 = kb * 128
         if A_SPLIT:
             a = tl.load(a_ptrs + k0, mask=(k0 + kk)[None, :] < K, other=0.0)

@@ -44,7 +44,6 @@ class GemmConfig:
     w_kn: bool = False
     scale_bcast: bool = True
     diag: int = 0              # probes only: 1 = skip dequant, 2 = skip MMA (wrong results)
-    dot_scaled: bool = False   # Triton's tl.dot_scaled instead of the explicit upcast
 
     def __post_init__(self) -> None:
         if self.block_m not in (16, 32, 64, 128, 256):
@@ -128,7 +127,6 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         SOFTWARE_BF16=interpreting(),
         A_SPLIT=cfg.a_split, W_KN=cfg.w_kn, SCALE_BCAST=cfg.scale_bcast, DIAG=cfg.diag,
-        DOT_SCALED=cfg.dot_scaled,
         num_warps=cfg.num_warps,
     )
     return out

@@ -50,7 +50,10 @@ def graph_time(fn, reps=20):
 # The layouts of the first probe (2026-11-29, probe_mxfp4.txt) were
 #   ({a_split: F, scale_bcast: F}, {a_split}, {w_kn}, {scale_bcast}, {a_split, w_kn},
 #    {a_split, scale_bcast}, {diag: 1}, {diag: 2}); the default is now a_split + scale_bcast.
-VARIANTS = ({}, {"dot_scaled": True}, {"a_split": False, "scale_bcast": False})
+# The second (probe_mxfp4_dot_scaled.txt) also timed tl.dot_scaled, since removed (slower).
+# NOTE: the probes (diag) act on the per-element-scale layout only, hence scale_bcast=False.
+_PLAIN = {"a_split": False, "scale_bcast": False}
+VARIANTS = ({}, _PLAIN, {"w_kn": True, "scale_bcast": False}, {**_PLAIN, "diag": 1}, {**_PLAIN, "diag": 2})
 
 
 def main():
