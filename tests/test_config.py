@@ -1,0 +1,75 @@
+"""MoEConfig: presets, from_pretrained (dir, file, transformers config), validation errors
+that name the bad value, parallel-split checks, paste-able repr."""
+
+import json
+
+import pytest
+
+from dsv4_moe import MoEConfig
+
+
+def test_presets_match_spec():
+    f, p = MoEConfig.flash(), MoEConfig.pro()
+    assert (f.hidden_size, f.moe_intermediate_size, f.n_routed_experts, f.routed_scaling_factor) == (4096, 2048, 256, 1.5)
+    assert (p.hidden_size, p.moe_intermediate_size, p.n_routed_experts, p.routed_scaling_factor) == (7168, 3072, 384, 2.5)
+    assert p.local_intermediate(8) == 384  # V4-Pro at TP8: 384 per rank, not padded
+    assert f.is_hash_layer(2) and not f.is_hash_layer(3)
+
+
+def test_repr_is_pasteable():
+    c = MoEConfig.pro()
+    assert eval(repr(c), {"MoEConfig": MoEConfig}) == c
+
+
+def test_from_pretrained_dir_and_file(tmp_path):
+    c = MoEConfig.flash()
+    (tmp_path / "config.json").write_text(json.dumps(c.to_dict()))
+    assert MoEConfig.from_pretrained(tmp_path) == c
+    assert MoEConfig.from_pretrained(tmp_path / "config.json") == c
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        MoEConfig.from_pretrained(tmp_path / "nope")
+
+
+def test_from_transformers_config():
+    transformers = pytest.importorskip("transformers")
+    hcfg = transformers.DeepseekV4Config(hidden_size=256, moe_intermediate_size=128, n_routed_experts=8,
+                                         num_experts_per_tok=2, num_hidden_layers=4, num_hash_layers=2,
+                                         vocab_size=64)
+    c = MoEConfig.from_pretrained(hcfg)
+    assert (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts, c.num_hash_layers) == (256, 128, 8, 2)
+
+
+def test_v41_is_rejected_by_name(tmp_path):
+    d = {"model_type": "deepseek_v41", "text_config": MoEConfig.flash().to_dict()}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="V4.1.*not supported yet"):
+        MoEConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"hidden_size": 0}, "hidden_size=0"),
+    ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
+    ({"topk_method": "greedy"}, "topk_method='greedy'"),
+    ({"expert_dtype": "fp8"}, "expert_dtype='fp8'"),
+    ({"num_experts_per_tok": 300}, "num_experts_per_tok=300 exceeds"),
+    ({"fp8_block_size": (32, 32)}, r"fp8_block_size=\(32, 32\)"),
+    ({"moe_intermediate_size": 100}, "moe_intermediate_size=100"),
+    ({"num_hash_layers": 99}, "num_hash_layers=99"),
+])
+def test_validation_names_the_value(kw, match):
+    with pytest.raises(ValueError, match=match):
+        MoEConfig.flash().replace(**kw)
+
+
+def test_check_parallel():
+    p = MoEConfig.pro()
+    p.check_parallel(tp_rank=7, tp_size=8)
+    p.check_parallel(ep_rank=3, ep_size=8)
+    with pytest.raises(ValueError, match="tp_rank=8"):
+        p.check_parallel(tp_rank=8, tp_size=8)
+    with pytest.raises(ValueError, match="ep_size=5: n_routed_experts=384"):
+        p.check_parallel(ep_size=5)
+    with pytest.raises(ValueError, match="per-rank intermediate 192"):
+        p.check_parallel(tp_size=16)  # 3072/16 = 192: whole MXFP4 groups but not whole FP8 blocks
+    with pytest.raises(ValueError, match="combine one of them"):
+        p.check_parallel(tp_size=2, ep_size=2)
