@@ -3,8 +3,9 @@ helpers that point at the bad element, and the one tolerance table.
 
 `random_layer_weights` builds a MoELayerWeights directly on any device (fast at full
 size: random e2m1 codes and realistic e8m0 scales, FP8 weights from N(0, 0.02) with
-UE8M0 block scales), without going through the safetensors writer. Checkpoint-format
-tests use `dsv4_moe.weights.write_checkpoint` instead.
+UE8M0 block scales), without going through the safetensors writer; the benchmark's
+synthetic layers are these. Checkpoint-format tests use
+`dsv4_moe.weights.write_checkpoint` instead.
 """
 
 from __future__ import annotations
@@ -19,61 +20,79 @@ from dsv4_moe.weights.formats import E4M3_MAX, as_uint8, ue8m0_scale
 from dsv4_moe.weights.tensors import MoELayerWeights, RoutedExpertWeights, RouterWeights, SharedExpertWeights
 
 __all__ = [
-    "random_layer_weights", "random_fp8_block_weight", "random_mxfp4_weight",
+    "random_layer_weights", "random_fp8_block_weight", "random_mxfp4_weight", "E8M0_SYNTH_RANGE",
     "Tolerance", "TOLERANCES", "assert_bitwise_equal", "bf16_diff_stats", "assert_bf16_close",
 ]
 
 
 # --------------------------------------------------------------------------- synthetic weights
-def random_fp8_block_weight(n: int, k: int, *, generator: torch.Generator, device="cpu",
+# NOTE: every draw happens on the generator's device (a CUDA generator makes a full-size
+# V4-Flash layer in about a second; the CPU one keeps tests deterministic everywhere).
+E8M0_SYNTH_RANGE = (118, 124)  # inclusive e8m0 bytes of the synthetic MXFP4 scales: 2^-9 .. 2^-3
+
+
+def random_fp8_block_weight(n: int, k: int, *, generator: torch.Generator, device=None,
                             std: float = 0.02) -> tuple[torch.Tensor, torch.Tensor]:
-    """N(0, std) weights quantised to e4m3 with one UE8M0 scale per 128x128 block."""
-    w = torch.randn(n, k, generator=generator, device="cpu").mul_(std).to(device)
+    """N(0, std) weights [N, K] quantised to e4m3 with one UE8M0 scale per 128x128 block
+    (amax floored at 1e-4, scale 2^ceil(log2(amax/448)) exactly, as a quantiser writes)."""
+    dev = generator.device
+    w = torch.randn(n, k, generator=generator, device=dev).mul_(std)
     nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
     wp = torch.nn.functional.pad(w, (0, kb * FP8_BLOCK - k, 0, nb * FP8_BLOCK - n))
-    amax = wp.view(nb, FP8_BLOCK, kb, FP8_BLOCK).abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    amax = wp.view(nb, FP8_BLOCK, kb, FP8_BLOCK).abs().amax(dim=(1, 3)).clamp(min=1e-4)
     s = ue8m0_scale(amax, E4M3_MAX)
     s_full = s.repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
     q = torch.clamp(w / s_full, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     s8 = ((s.view(torch.int32) >> 23) & 0xFF).to(torch.uint8).view(torch.float8_e8m0fnu)
-    return q, s8
+    return (q, s8) if device is None else (q.to(device), s8.to(device))
 
 
-def random_mxfp4_weight(shape_nk: tuple[int, ...], *, generator: torch.Generator, device="cpu",
-                        scale_range: tuple[int, int] = (118, 123)) -> tuple[torch.Tensor, torch.Tensor]:
+def random_mxfp4_weight(shape_nk: tuple[int, ...], *, generator: torch.Generator, device=None,
+                        scale_range: tuple[int, int] = E8M0_SYNTH_RANGE) -> tuple[torch.Tensor, torch.Tensor]:
     """Random e2m1 codes (packed, [..., N, K/2] uint8) and e8m0 scales ([..., N, K/32]).
 
-    Scale bytes 118..123 give 2^-9 .. 2^-4: with e2m1 magnitudes up to 6 that is weights
-    of roughly N(0, 0.02) size, like a real checkpoint's.
+    Scale bytes 118..124 give 2^-9 .. 2^-3: with uniform codes (|e2m1| up to 6) the mean
+    |w| is ~0.04, the size of an N(0, 0.02) weight.
     """
     *lead, n, k = shape_nk
-    packed = torch.randint(0, 256, (*lead, n, k // 2), generator=generator, dtype=torch.uint8).to(device)
+    dev = generator.device
+    packed = torch.randint(0, 256, (*lead, n, k // 2), generator=generator, dtype=torch.uint8, device=dev)
     lo, hi = scale_range
-    scale = torch.randint(lo, hi + 1, (*lead, n, k // 32), generator=generator, dtype=torch.uint8)
-    return packed, scale.to(device).view(torch.float8_e8m0fnu)
+    scale = torch.randint(lo, hi + 1, (*lead, n, k // 32), generator=generator, dtype=torch.uint8, device=dev)
+    scale = scale.view(torch.float8_e8m0fnu)
+    return (packed, scale) if device is None else (packed.to(device), scale.to(device))
 
 
 def random_layer_weights(config: MoEConfig, *, layer_idx: int = 0, seed: int = 0, device="cpu",
                          tp_size: int = 1, tp_rank: int = 0, ep_size: int = 1, ep_rank: int = 0,
                          hash_layer: Optional[bool] = None) -> MoELayerWeights:
-    """A synthetic layer with this rank's shapes (I/tp per rank, E/ep local experts)."""
+    """A synthetic layer with this rank's shapes (I/tp per rank, E/ep local experts), drawn
+    on `device` (values depend on the device's generator; a rank's values on its ranks)."""
     config.check_parallel(tp_rank=tp_rank, tp_size=tp_size, ep_rank=ep_rank, ep_size=ep_size)
-    g = torch.Generator().manual_seed(seed)
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device=dev)
+    g.manual_seed(seed * 1_000_003 + tp_rank * 1009 + ep_rank * 7919)
     h, e, k = config.hidden_size, config.n_routed_experts, config.num_experts_per_tok
     i = config.local_intermediate(tp_size)
     is_hash = config.is_hash_layer(layer_idx) if hash_layer is None else hash_layer
-    router_w = (torch.randn(e, h, generator=g) * 0.02).to(torch.bfloat16).to(device)
+    router_w = (torch.randn(e, h, generator=g, device=dev) * 0.02).to(torch.bfloat16)
     if is_hash:
-        tid2eid = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(config.vocab_size)]).to(device)
+        # k distinct experts per token id, uniform: top-k of iid uniforms, in chunks.
+        tid2eid = torch.empty(config.vocab_size, k, device=dev, dtype=torch.int64)
+        for v0 in range(0, config.vocab_size, 16384):
+            v1 = min(config.vocab_size, v0 + 16384)
+            tid2eid[v0:v1] = torch.rand(v1 - v0, e, device=dev, generator=g).topk(k, dim=1).indices
         router = RouterWeights(router_w, None, tid2eid)
     else:
-        router = RouterWeights(router_w, (torch.randn(e, generator=g) * 0.01).to(device), None)
-    gu, gus = random_fp8_block_weight(2 * i, h, generator=g, device=device)
-    dn, dns = random_fp8_block_weight(h, i, generator=g, device=device)
+        router = RouterWeights(router_w, torch.randn(e, generator=g, device=dev) * 0.01, None)
+    gu, gus = random_fp8_block_weight(2 * i, h, generator=g)
+    dn, dns = random_fp8_block_weight(h, i, generator=g)
     shared = SharedExpertWeights(gu, gus, dn, dns)
     experts = config.local_experts(ep_rank, ep_size)
-    rgu, rgus = random_mxfp4_weight((len(experts), 2 * i, h), generator=g, device=device)
-    rdn, rdns = random_mxfp4_weight((len(experts), h, i), generator=g, device=device)
+    rgu, rgus = random_mxfp4_weight((len(experts), 2 * i, h), generator=g)
+    rdn, rdns = random_mxfp4_weight((len(experts), h, i), generator=g)
     routed = RoutedExpertWeights(rgu, rgus, rdn, rdns, first_expert=experts.start, num_experts=e)
     return MoELayerWeights(router, shared, routed, layer_idx=layer_idx, tp_rank=tp_rank, tp_size=tp_size,
                            ep_rank=ep_rank, ep_size=ep_size)

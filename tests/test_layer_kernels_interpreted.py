@@ -39,3 +39,16 @@ def test_layer_kernel_paths(kernels_on_cpu, li):
     assert_bitwise_equal(fused, unfused, "fused vs unfused layer", layer=li)
     ref = reference.moe_forward(x.cpu(), ids.cpu(), w.to("cpu"), CFG)
     assert_bf16_close(fused.cpu(), ref, "layer", "kernel layer vs CPU reference", layer=li)
+
+
+def test_routed_kernel_rejects_scales_outside_exact_folding(kernels_on_cpu):
+    """Scale bytes above 128 would overflow the kernel's exact fp32 scale factor: dispatch
+    falls back (closed) to the reference path and says why."""
+    w = random_layer_weights(CFG, layer_idx=1, seed=5, device=kernels_on_cpu)
+    w.routed.down_scale.view(torch.uint8)[0, 0, 0] = 200
+    layer = DeepseekV4MoE(CFG, w)
+    assert layer.routed_scale_range[1] == 200
+    plan = {p.stage: p for p in dispatch.plan(layer.context(3))}
+    assert plan["routed_experts"].chosen.name == "reference"
+    assert any("outside [0, 128]" in why for _, why in plan["routed_experts"].rejected)
+    assert "outside [0, 128]" in layer.explain(3)
