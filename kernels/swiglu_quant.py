@@ -32,10 +32,12 @@ __all__ = ["swiglu_quant", "swiglu_quant_unfused", "choose_strategy", "PERSISTEN
 _BLOCK = 128
 
 # NOTE: crossover between the one-program-per-group launch (best while launch-bound) and
-# the persistent grid, in output elements M*I. Seed 002 measured ~1M on H200 for its CUDA
-# kernels; this is the starting value until scripts/gpu_check_shared.py measures ours
-# (its "strategy" rows time both at every M x I; set this to the smallest M*I where
-# persistent wins).
+# the persistent grid, in output elements M*I. Measured on the H200 (2026-11-29,
+# docs/bench/2026-11-29/gpu_check_shared_run1.txt, group / persistent us): I=2048 M=1
+# 5.45 / 8.35, M=256 (0.5M) 10.44 / 10.39, M=1024 (2M) 15.29 / 12.42, M=8192 82.6 / 57.4;
+# I=384 M=1024 (0.4M) 5.49 / 5.87, M=4096 (1.6M) 14.53 / 13.44. Persistent starts to win
+# between 0.5M and 1.5M elements, so 1M (seed 002's figure for its CUDA kernels) stays.
+# Re-measure with scripts/gpu_check_shared.py --parts t_swiglu.
 PERSISTENT_MIN_ELEMENTS = 1 << 20
 
 
