@@ -15,8 +15,9 @@ from typing import Optional
 
 import torch
 
-from dsv4_moe.config import FP8_BLOCK, MoEConfig
-from dsv4_moe.weights.formats import E4M3_MAX, as_uint8, ue8m0_scale
+from dsv4_moe.config import MoEConfig
+from dsv4_moe.weights.formats import as_uint8
+from dsv4_moe.weights.quantize import quantize_fp8_block
 from dsv4_moe.weights.tensors import MoELayerWeights, RoutedExpertWeights, RouterWeights, SharedExpertWeights
 
 __all__ = [
@@ -33,17 +34,10 @@ E8M0_SYNTH_RANGE = (118, 124)  # inclusive e8m0 bytes of the synthetic MXFP4 sca
 
 def random_fp8_block_weight(n: int, k: int, *, generator: torch.Generator, device=None,
                             std: float = 0.02) -> tuple[torch.Tensor, torch.Tensor]:
-    """N(0, std) weights [N, K] quantised to e4m3 with one UE8M0 scale per 128x128 block
-    (amax floored at 1e-4, scale 2^ceil(log2(amax/448)) exactly, as a quantiser writes)."""
-    dev = generator.device
-    w = torch.randn(n, k, generator=generator, device=dev).mul_(std)
-    nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
-    wp = torch.nn.functional.pad(w, (0, kb * FP8_BLOCK - k, 0, nb * FP8_BLOCK - n))
-    amax = wp.view(nb, FP8_BLOCK, kb, FP8_BLOCK).abs().amax(dim=(1, 3)).clamp(min=1e-4)
-    s = ue8m0_scale(amax, E4M3_MAX)
-    s_full = s.repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
-    q = torch.clamp(w / s_full, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    s8 = ((s.view(torch.int32) >> 23) & 0xFF).to(torch.uint8).view(torch.float8_e8m0fnu)
+    """N(0, std) weights [N, K] quantised by the checkpoint quantiser (weights.quantize:
+    e4m3 with one UE8M0 scale per 128x128 block), drawn on the generator's device."""
+    w = torch.randn(n, k, generator=generator, device=generator.device).mul_(std)
+    q, s8 = quantize_fp8_block(w)
     return (q, s8) if device is None else (q.to(device), s8.to(device))
 
 
