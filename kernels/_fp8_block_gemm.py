@@ -144,6 +144,58 @@ def _fp8_block_gemm_kernel(
         tl.store(c_ptrs, c, mask=out_mask)
 
 
+@triton.jit(do_not_specialize=["num_kb", "kb_per_split", "stride_sam", "stride_sak", "stride_sbn", "stride_sbk"])
+def _fp8_gemv_kernel(
+    a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, ws_ptr,
+    M, N, K, num_kb, kb_per_split,
+    stride_am, stride_bn, stride_sam, stride_sak, stride_sbn, stride_sbk, stride_cm,
+    SB_E8M0: tl.constexpr, EVEN_K: tl.constexpr, SOFTWARE: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Decode body (GEMV config): one activation row x BLOCK_N weight rows per program on
+    the CUDA cores. Per K block the 128 exact fp32 products are summed in any order (the
+    in-block freedom of SPEC §4.3), then scaled and accumulated in block order exactly
+    like the MMA body (same ws layout, same phase 2)."""
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    m = pid // num_pid_n
+    offs_n = (pid % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    bn = (offs_n % N).to(tl.int64)
+    offs_k = tl.arange(0, 128)
+    a_ptrs = a_ptr + m.to(tl.int64) * stride_am + offs_k
+    b_ptrs = b_ptr + bn[:, None] * stride_bn + offs_k[None, :]
+    sb_ptrs = sb_ptr + (bn // 128) * stride_sbn
+    sa_ptr_m = sa_ptr + m.to(tl.int64) * stride_sam
+    n_ok = offs_n < N
+    if SPLIT:
+        kb_lo = tl.program_id(1) * kb_per_split
+        kb_hi = min(kb_lo + kb_per_split, num_kb)
+    else:
+        kb_lo = 0
+        kb_hi = num_kb
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for kb in range(kb_lo, kb_hi):
+        if EVEN_K:
+            a = tl.load(a_ptrs + kb * 128)
+            b = tl.load(b_ptrs + kb * 128)
+        else:
+            k_left = K - kb * 128
+            a = tl.load(a_ptrs + kb * 128, mask=offs_k < k_left, other=0.0)
+            b = tl.load(b_ptrs + kb * 128, mask=offs_k[None, :] < k_left, other=0.0)
+        p = tl.sum(b.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)
+        sb = tl.load(sb_ptrs + kb * stride_sbk)
+        if SB_E8M0:
+            sb = _e8m0_to_f32(sb)
+        v = p * tl.load(sa_ptr_m + kb * stride_sak) * sb
+        if SPLIT:
+            tl.store(ws_ptr + (m.to(tl.int64) + kb * M) * N + offs_n, v, mask=n_ok)
+        else:
+            acc = acc + v
+    if not SPLIT:
+        c = round_to_bf16(acc, SOFTWARE).to(tl.bfloat16)
+        tl.store(c_ptr + m.to(tl.int64) * stride_cm + offs_n, c, mask=n_ok)
+
+
 @triton.jit
 def _splitk_sum_kernel(ws_ptr, c_ptr, MN, N, stride_cm,
                        NUM_KB: tl.constexpr, SOFTWARE: tl.constexpr, BLOCK: tl.constexpr):
@@ -184,12 +236,18 @@ def launch_fp8_block_gemm(q_u8, sa, w_u8, sw, out, cfg: dict, interpreting: bool
     extra = {} if interpreting else dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                                          enable_fp_fusion=False)
     ws = torch.empty((num_kb, m, n) if split_k > 1 else (1,), dtype=torch.float32, device=out.device)
-    _fp8_block_gemm_kernel[(tiles, split_k)](
-        a, sa, b, sw, out, ws, m, n, k, num_kb, kb_per,
-        a.stride(0), b.stride(0), sa.stride(0), sa.stride(1), sw.stride(0), sw.stride(1), out.stride(0),
-        SB_E8M0=sb_e8m0, EVEN_K=(k % 128 == 0), IMPRECISE=cfg.get("IMPRECISE", 32), SOFTWARE=interpreting,
-        SPLIT=split_k > 1, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), **extra,
-    )
+    if cfg.get("GEMV", False):
+        _fp8_gemv_kernel[(m * triton.cdiv(n, bn), split_k)](
+            a, sa, b, sw, out, ws, m, n, k, num_kb, kb_per,
+            a.stride(0), b.stride(0), sa.stride(0), sa.stride(1), sw.stride(0), sw.stride(1), out.stride(0),
+            SB_E8M0=sb_e8m0, EVEN_K=(k % 128 == 0), SOFTWARE=interpreting, SPLIT=split_k > 1, BLOCK_N=bn, **extra)
+    else:
+        _fp8_block_gemm_kernel[(tiles, split_k)](
+            a, sa, b, sw, out, ws, m, n, k, num_kb, kb_per,
+            a.stride(0), b.stride(0), sa.stride(0), sa.stride(1), sw.stride(0), sw.stride(1), out.stride(0),
+            SB_E8M0=sb_e8m0, EVEN_K=(k % 128 == 0), IMPRECISE=cfg.get("IMPRECISE", 32), SOFTWARE=interpreting,
+            SPLIT=split_k > 1, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), **extra,
+        )
     if split_k > 1:
         extra2 = {} if interpreting else dict(num_warps=SUM_BLOCK // 128, num_stages=1, enable_fp_fusion=False)
         _splitk_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](

@@ -81,6 +81,7 @@ def _mxfp4_grouped_gemm_kernel(
     W_KN: tl.constexpr = False,         # weight tile loaded K-major (no transpose before the dot)
     SCALE_BCAST: tl.constexpr = False,  # 4 scale bytes per row, broadcast over 16 columns in registers
     DIAG: tl.constexpr = 0,             # probes only (scripts/gpu_probe_mxfp4.py): 1 skip dequant, 2 skip MMA
+    ASM: tl.constexpr = False,          # bf16 weights built by inline PTX (_dequant_w), GPU only
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -136,13 +137,16 @@ def _mxfp4_grouped_gemm_kernel(
             kmask = (k0 // 2 + kh)[:, None] < K // 2
         else:
             kmask = (k0 // 2 + kh)[None, :] < K // 2
-        packed = tl.load(w_ptrs + k0 // 2, mask=kmask, other=0).to(tl.int32)
+        packed_u8 = tl.load(w_ptrs + k0 // 2, mask=kmask, other=0)
+        packed = packed_u8.to(tl.int32)
         if SCALE_BCAST:
-            sb4 = tl.load(sw_ptrs + k0 // 32, mask=(k0 // 32 + k4)[None, :] < K // 32, other=127).to(tl.int32)
-            sc4 = ((sb4 + 126) << 23).to(tl.float32, bitcast=True)
-            f_lo, f_hi = _nibbles_to_f32(packed, packed, SELECT_SUBNORMAL)
-            w_lo = tl.reshape(tl.reshape(f_lo, (BLOCK_N, 4, 16)) * sc4[:, :, None], (BLOCK_N, 64)).to(tl.bfloat16)
-            w_hi = tl.reshape(tl.reshape(f_hi, (BLOCK_N, 4, 16)) * sc4[:, :, None], (BLOCK_N, 64)).to(tl.bfloat16)
+            sb4 = tl.load(sw_ptrs + k0 // 32, mask=(k0 // 32 + k4)[None, :] < K // 32, other=127)
+            if ASM:
+                w_lo, w_hi = _dequant_w_asm(packed_u8, sb4, BLOCK_N)
+            else:
+                w_lo, w_hi = _dequant_w(packed_u8, sb4, BLOCK_N, SELECT_SUBNORMAL)
+                w_lo = w_lo.to(tl.bfloat16)
+                w_hi = w_hi.to(tl.bfloat16)
         else:
             sbyte = tl.load(sw_ptrs + k0 // 32, mask=kmask, other=127).to(tl.int32)
             scale = ((sbyte + 126) << 23).to(tl.float32, bitcast=True)  # 2^(s-1); exact for s <= 128
@@ -180,3 +184,248 @@ def _mxfp4_grouped_gemm_kernel(
     if SOFTWARE_BF16:
         acc = round_to_bf16(acc, True)  # RNE on the bits; the cast below is then exact
     tl.store(o_ptrs, acc.to(tl.bfloat16), mask=row_ok[:, None] & n_ok[None, :])
+
+
+# e2m1 pairs -> bf16x2 on the bits, then one bf16x2 multiply by 2^(s-1) (sm_90's
+# mul.rn.bf16x2). Per 4 packed bytes: both nibbles of byte j share scale byte j. A bf16
+# with sign at bit 15 and magnitude code c at bits 6..8 is exactly e2m1(c) * 2^-126
+# (c = 1 lands on the bf16 subnormal 2^-127), as in _nibbles_to_f32, so the product with
+# 2^(s-1) is e2m1(c) * 2^(s-127), exact for s <= 128 (rounding never happens).
+_E2M1X4_TO_BF16_ASM = tl.constexpr("""
+{
+.reg .b32 x, y, sa, sb, t, u;
+prmt.b32 x, $4, 0, 0x4140;
+prmt.b32 y, $4, 0, 0x4342;
+prmt.b32 sa, $5, 0, 0x4140;
+prmt.b32 sb, $5, 0, 0x4342;
+add.u32 sa, sa, 0x007E007E;
+shl.b32 sa, sa, 7;
+add.u32 sb, sb, 0x007E007E;
+shl.b32 sb, sb, 7;
+shl.b32 t, x, 6;
+and.b32 t, t, 0x01C001C0;
+shl.b32 u, x, 12;
+and.b32 u, u, 0x80008000;
+or.b32 t, t, u;
+mul.rn.bf16x2 $0, t, sa;
+shl.b32 t, y, 6;
+and.b32 t, t, 0x01C001C0;
+shl.b32 u, y, 12;
+and.b32 u, u, 0x80008000;
+or.b32 t, t, u;
+mul.rn.bf16x2 $1, t, sb;
+shl.b32 t, x, 2;
+and.b32 t, t, 0x01C001C0;
+shl.b32 u, x, 8;
+and.b32 u, u, 0x80008000;
+or.b32 t, t, u;
+mul.rn.bf16x2 $2, t, sa;
+shl.b32 t, y, 2;
+and.b32 t, t, 0x01C001C0;
+shl.b32 u, y, 8;
+and.b32 u, u, 0x80008000;
+or.b32 t, t, u;
+mul.rn.bf16x2 $3, t, sb;
+}
+""")
+
+
+@triton.jit
+def _dequant_w_asm(packed, sb4, BLOCK_N: tl.constexpr):
+    """Packed [BLOCK_N, 64] uint8 + [BLOCK_N, 4] uint8 e8m0 -> bf16 (even k, odd k) tiles of
+    e2m1 * 2^(s-127), exactly, by the inline PTX above (GPU only)."""
+    p3 = tl.reshape(packed.to(tl.uint8), (BLOCK_N, 4, 16))
+    s3 = tl.broadcast_to(sb4.to(tl.uint8)[:, :, None], (BLOCK_N, 4, 16))
+    w_lo, w_hi = tl.inline_asm_elementwise(
+        _E2M1X4_TO_BF16_ASM, "=r,=r,=r,=r,r,r", [p3, s3],
+        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    return tl.reshape(w_lo, (BLOCK_N, 64)), tl.reshape(w_hi, (BLOCK_N, 64))
+
+
+@triton.jit
+def _dequant_w(packed, sb4, BLOCK_N: tl.constexpr, SELECT_SUBNORMAL: tl.constexpr):
+    """Packed [BLOCK_N, 64] bytes + [BLOCK_N, 4] e8m0 bytes -> fp32 (even k, odd k)
+    [BLOCK_N, 64] tiles holding e2m1 * 2^(s-127) exactly (see _nibbles_to_f32)."""
+    sc4 = ((sb4.to(tl.int32) + 126) << 23).to(tl.float32, bitcast=True)  # 2^(s-1); exact for s <= 128
+    p32 = packed.to(tl.int32)
+    f_lo, f_hi = _nibbles_to_f32(p32, p32, SELECT_SUBNORMAL)
+    w_lo = tl.reshape(tl.reshape(f_lo, (BLOCK_N, 4, 16)) * sc4[:, :, None], (BLOCK_N, 64))
+    w_hi = tl.reshape(tl.reshape(f_hi, (BLOCK_N, 4, 16)) * sc4[:, :, None], (BLOCK_N, 64))
+    return w_lo, w_hi
+
+
+@triton.jit
+def _mxfp4_grouped_gemm_swap_kernel(
+    a_ptr, sa_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr,
+    sorted_ids_ptr, block_expert_ptr, num_blocks_ptr,
+    N, R, top_k,
+    stride_am, stride_sam,
+    stride_we, stride_wn,
+    stride_swe, stride_swn,
+    stride_om,
+    A_GATHER: tl.constexpr, OUT_SCATTER: tl.constexpr, K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+    KB_PER: tl.constexpr,       # 128-wide K blocks per program (all of them when not split)
+    SPLIT: tl.constexpr,        # True: write each block's scaled partial to ws[kb, route, n]
+    SOFTWARE_BF16: tl.constexpr,
+    SELECT_SUBNORMAL: tl.constexpr = False,
+    ASM: tl.constexpr = False,
+):
+    """Swapped operands: out^T[n, rows] = W[n, k] . A^T[k, rows]. The dequantised weight
+    tile is the MMA's first operand (kept in registers on Hopper: no shared-memory round
+    trip), the BLOCK_M routed rows (16 at decode) are the second. Same per-block products
+    and the same block-order accumulation as _mxfp4_grouped_gemm_kernel."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    if pid_m >= tl.load(num_blocks_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    route = tl.load(sorted_ids_ptr + rows)
+    row_ok = route < R
+    if A_GATHER:
+        arow = route // top_k
+    else:
+        arow = rows
+    arow = tl.where(row_ok, arow, 0).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    n_safe = tl.where(n_ok, n, 0).to(tl.int64)
+    kh = tl.arange(0, 64)
+    k4 = tl.arange(0, 4)
+    kk = tl.arange(0, 128)
+    a_ptrs = a_ptr + arow[:, None] * stride_am + kk[None, :]
+    w_ptrs = w_ptr + e * stride_we + n_safe[:, None] * stride_wn + kh[None, :]
+    sw_ptrs = sw_ptr + e * stride_swe + n_safe[:, None] * stride_swn + k4[None, :]
+    sa_ptrs = sa_ptr + arow * stride_sam
+    if SPLIT:
+        route_safe = tl.where(row_ok, route, 0).to(tl.int64)
+        ws_ptrs = ws_ptr + route_safe[None, :] * N + n[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for j in tl.range(0, KB_PER, num_stages=NUM_STAGES):
+        kb = pid_k * KB_PER + j
+        k0 = kb * 128
+        a = tl.load(a_ptrs + k0, mask=(k0 + kk)[None, :] < K, other=0.0)
+        a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, 64, 2)))
+        kmask = (k0 // 2 + kh)[None, :] < K // 2
+        packed = tl.load(w_ptrs + k0 // 2, mask=kmask, other=0)
+        sb4 = tl.load(sw_ptrs + k0 // 32, mask=(k0 // 32 + k4)[None, :] < K // 32, other=127)
+        if ASM:
+            w_lo, w_hi = _dequant_w_asm(packed, sb4, BLOCK_N)
+        else:
+            w_lo, w_hi = _dequant_w(packed, sb4, BLOCK_N, SELECT_SUBNORMAL)
+        if SOFTWARE_BF16:
+            part = tl.dot(w_lo, tl.trans(a_even.to(tl.float32)), input_precision="ieee")
+            part = tl.dot(w_hi, tl.trans(a_odd.to(tl.float32)), part, input_precision="ieee")
+        else:
+            part = tl.dot(w_lo.to(tl.bfloat16), tl.trans(a_even.to(tl.bfloat16)))
+            part = tl.dot(w_hi.to(tl.bfloat16), tl.trans(a_odd.to(tl.bfloat16)), part)
+        s_a = tl.load(sa_ptrs + kb, mask=row_ok & (kb < (K + 127) // 128), other=0.0)
+        if SPLIT:
+            tl.store(ws_ptrs + kb * R * N, part * s_a[None, :],
+                     mask=n_ok[:, None] & row_ok[None, :] & (kb < (K + 127) // 128))
+        else:
+            acc += part * s_a[None, :]
+    if not SPLIT:
+        if OUT_SCATTER:
+            orow = tl.where(row_ok, route, 0).to(tl.int64)
+        else:
+            orow = rows.to(tl.int64)
+        if SOFTWARE_BF16:
+            acc = round_to_bf16(acc, True)
+        tl.store(out_ptr + orow[None, :] * stride_om + n[:, None], acc.to(tl.bfloat16),
+                 mask=n_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _mxfp4_gemv_kernel(
+    a_ptr, sa_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr,
+    sorted_ids_ptr, block_expert_ptr, num_blocks_ptr,
+    N, R, top_k,
+    stride_am, stride_sam,
+    stride_we, stride_wn,
+    stride_swe, stride_swn,
+    stride_om,
+    A_GATHER: tl.constexpr, OUT_SCATTER: tl.constexpr, K: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, KB_PER: tl.constexpr, SPLIT: tl.constexpr,
+    SOFTWARE_BF16: tl.constexpr,
+    SELECT_SUBNORMAL: tl.constexpr = False,
+    ASM: tl.constexpr = False,
+):
+    """One routed row per program (alignment with BLOCK_M = 1): a batched GEMV on the CUDA
+    cores, no MMA padding. Per 128-wide block: exact fp32 products summed in any order
+    (the freedom SPEC §4.3 leaves), then acc += block_sum * sa in block order."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    if pid_m >= tl.load(num_blocks_ptr):
+        return
+    route = tl.load(sorted_ids_ptr + pid_m)
+    if route >= R:
+        return
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if A_GATHER:
+        arow = (route // top_k).to(tl.int64)
+    else:
+        arow = pid_m.to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    n_safe = tl.where(n_ok, n, 0).to(tl.int64)
+    kh = tl.arange(0, 64)
+    k4 = tl.arange(0, 4)
+    kk = tl.arange(0, 128)
+    w_ptrs = w_ptr + e * stride_we + n_safe[:, None] * stride_wn + kh[None, :]
+    sw_ptrs = sw_ptr + e * stride_swe + n_safe[:, None] * stride_swn + k4[None, :]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in tl.range(0, KB_PER, num_stages=NUM_STAGES):
+        kb = pid_k * KB_PER + j
+        k0 = kb * 128
+        a = tl.load(a_ptr + arow * stride_am + k0 + kk, mask=k0 + kk < K, other=0.0).to(tl.float32)
+        a_even, a_odd = tl.split(tl.reshape(a, (64, 2)))
+        kmask = (k0 // 2 + kh)[None, :] < K // 2
+        packed = tl.load(w_ptrs + k0 // 2, mask=kmask, other=0)
+        sb4 = tl.load(sw_ptrs + k0 // 32, mask=(k0 // 32 + k4)[None, :] < K // 32, other=127)
+        if ASM:
+            w_lo, w_hi = _dequant_w_asm(packed, sb4, BLOCK_N)
+        else:
+            w_lo, w_hi = _dequant_w(packed, sb4, BLOCK_N, SELECT_SUBNORMAL)
+        part = tl.sum(w_lo.to(tl.float32) * a_even[None, :] + w_hi.to(tl.float32) * a_odd[None, :], axis=1)
+        s_a = tl.load(sa_ptr + arow * stride_sam + kb, mask=kb < (K + 127) // 128, other=0.0)
+        if SPLIT:
+            tl.store(ws_ptr + kb * R * N + route * N + n, part * s_a, mask=n_ok & (kb < (K + 127) // 128))
+        else:
+            acc += part * s_a
+    if not SPLIT:
+        if OUT_SCATTER:
+            orow = route.to(tl.int64)
+        else:
+            orow = pid_m.to(tl.int64)
+        if SOFTWARE_BF16:
+            acc = round_to_bf16(acc, True)
+        tl.store(out_ptr + orow * stride_om + n, acc.to(tl.bfloat16), mask=n_ok)
+
+
+@triton.jit
+def _split_k_reduce_kernel(ws_ptr, out_ptr, route_rows_ptr, R, N, stride_om,
+                           KB: tl.constexpr, OUT_SCATTER: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SOFTWARE_BF16: tl.constexpr):
+    """out[dest(r), n] = bf16(sum over kb, in order, from +0.0, of ws[kb, r, n]) for every
+    local route r (route_rows[r] >= 0); dest = r (scatter) or its GEMM row. Bitwise the
+    single pass's `acc += part * s_a` loop."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.load(route_rows_ptr + r, mask=r < R, other=-1)
+    ok = (row >= 0)[:, None] & (n < N)[None, :]
+    r64 = tl.where(row >= 0, r, 0).to(tl.int64)
+    ptrs = ws_ptr + r64[:, None] * N + n[None, :]
+    acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+    for kb in tl.range(0, KB):
+        acc += tl.load(ptrs + kb * R * N, mask=ok, other=0.0)
+    if OUT_SCATTER:
+        dest = r64
+    else:
+        dest = tl.where(row >= 0, row, 0).to(tl.int64)
+    if SOFTWARE_BF16:
+        acc = round_to_bf16(acc, True)
+    tl.store(out_ptr + dest[:, None] * stride_om + n[None, :], acc.to(tl.bfloat16), mask=ok)

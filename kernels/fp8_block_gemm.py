@@ -42,7 +42,19 @@ _SPLIT_K_PROGRAMS_PER_SM = 4
 FAST_PREFILL_IMPRECISE = 128
 
 
-def choose_split_k(m: int, n: int, k: int, tiles: int, num_sms: int = NUM_SMS_H200) -> int:
+# M = 1 runs the CUDA-core GEMV body (GEMV=True) with BLOCK_N 64, 2 warps, split over K
+# to ~8 programs per SM. NOTE: measured on the H200 (scripts/gpu_probe_fp8_gemv.py,
+# docs/bench/2026-11-29/session2/probe_fp8_gemv.json, CUDA graphs): at M = 1 it beats the
+# 16-row mma.sync body on all six V4 shapes (Flash gate_up 9.6 -> 7.7 us, down 7.5 ->
+# 5.8, Pro-TP8 down 4.5 -> 4.0, Pro-TP1 gate_up 17.3 -> 15.5, down 12.5 -> 8.9; Pro-TP8
+# gate_up 7.3 -> 7.5 at 16 splits) and loses from M = 2 on (each row re-reads the
+# weights from L1/L2: Flash gate_up M = 2 9.9 vs 11.1 us), so only M = 1 uses it.
+# 0 % of outputs off the float64-summed reference at every shape.
+_GEMV_PROGRAMS_PER_SM = 8
+
+
+def choose_split_k(m: int, n: int, k: int, tiles: int, num_sms: int = NUM_SMS_H200,
+                   programs_per_sm: int = _SPLIT_K_PROGRAMS_PER_SM) -> int:
     """Number of K-block groups for the exact split-K path (1 = single pass).
 
     Split only when the output tiles alone cannot occupy the GPU (tiles < num_sms), K has
@@ -52,13 +64,14 @@ def choose_split_k(m: int, n: int, k: int, tiles: int, num_sms: int = NUM_SMS_H2
     kb = -(-k // _BLOCK)
     if kb < SPLIT_K_MIN_KB or tiles >= num_sms or 4 * kb * m * n > SPLIT_K_MAX_WS_FRACTION * n * k:
         return 1
-    return min(kb, -(-_SPLIT_K_PROGRAMS_PER_SM * num_sms // tiles))
+    return min(kb, -(-programs_per_sm * num_sms // tiles))
 
 
 def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H200, fast_accum: bool = False) -> dict:
     """Tile config for an [M, K] x [N, K]^T FP8 GEMM (keys: BLOCK_M, BLOCK_N, GROUP_M,
     num_warps, num_stages, IMPRECISE, SPLIT_K).
 
+    M = 1: the CUDA-core GEMV body (GEMV=True, see _GEMV_PROGRAMS_PER_SM).
     Decode (M <= 16): weight-bandwidth bound, a GEMV in disguise. BLOCK_M = 16 (Triton
     then uses mma.sync, whose fp8 sums matched the reference bitwise on the H200) and
     BLOCK_N = 64 (the fastest single-pass tile at M = 1 on 4 of the 6 V4 shapes in the
@@ -76,6 +89,10 @@ def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H200, fast_accu
     faster, and ~2.5x as many bf16 outputs off by an ulp or more (see _fp8_block_gemm).
     """
     imp = FAST_PREFILL_IMPRECISE if fast_accum else 32
+    if m == 1:
+        tiles = -(-n // 64)
+        return dict(BLOCK_M=1, BLOCK_N=64, GROUP_M=1, num_warps=2, num_stages=4, IMPRECISE=32, GEMV=True,
+                    SPLIT_K=choose_split_k(m, n, k, tiles, num_sms, _GEMV_PROGRAMS_PER_SM))
     if m <= 16:
         tiles = -(-n // 64)
         return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, IMPRECISE=32,

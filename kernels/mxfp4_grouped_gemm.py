@@ -14,9 +14,12 @@ Used for gate_up (w [E, 2I, H/2], gather_a, out [max_rows, 2I]) and down
 (w [E, H, I/2], rows in permuted order, scatter_out to [T*k, H]). K must be a multiple
 of 32 (I = 384 gives 12 scale groups over 3 activation blocks; no padding).
 
-Block configs: `select_config(num_routes, num_local, n, k)` picks by the expected rows
-per expert (routes / local experts, uniform routing assumed): BLOCK_M 16 x BLOCK_N 128
-below 64 rows per expert, 64 x 128 above (measured on the H200, see select_config).
+Three kernel bodies (GemmConfig.kind): "tile" (rows x weights MMA), "swap" (weights x
+rows MMA, the dequantised weight as the register operand) and "gemv" (one route per
+program on the CUDA cores, for decode where most experts get one row). All follow
+SPEC §4.3 with only the in-block summation order free. `select_config(num_routes,
+num_local, n, k)` picks by the expected rows per expert (measured on the H200, see
+select_config).
 """
 
 from __future__ import annotations
@@ -44,26 +47,57 @@ class GemmConfig:
     w_kn: bool = False
     scale_bcast: bool = True
     diag: int = 0              # probes only: 1 = skip dequant, 2 = skip MMA (wrong results)
+    # kernel body: "tile" (rows x weights MMA), "swap" (weights x rows MMA, the dequantised
+    # weight as the register operand), "gemv" (one row per program, CUDA cores; block_m 1)
+    kind: str = "tile"
+    # split over K ("swap"/"gemv"): each program does cdiv(KB, split_k) 128-blocks and
+    # writes per-block partials to an fp32 workspace summed in block order after (exact)
+    split_k: int = 1
+    # dequantise with the inline-PTX bf16x2 construction (_dequant_w); ignored (False)
+    # under the Triton interpreter, which cannot run PTX; needs scale_bcast for "tile"
+    asm: bool = False
 
     def __post_init__(self) -> None:
-        if self.block_m not in (16, 32, 64, 128, 256):
+        if self.kind not in ("tile", "swap", "gemv"):
+            raise ValueError(f"GemmConfig.kind={self.kind!r}: expected 'tile', 'swap' or 'gemv'")
+        if self.kind == "gemv":
+            if self.block_m != 1:
+                raise ValueError(f"GemmConfig.block_m={self.block_m}: kind 'gemv' needs block_m=1")
+        elif self.block_m not in (16, 32, 64, 128, 256):
             raise ValueError(f"GemmConfig.block_m={self.block_m}: expected 16, 32, 64, 128 or 256")
         if self.block_n not in (16, 32, 64, 128, 256):
             raise ValueError(f"GemmConfig.block_n={self.block_n}: expected 16, 32, 64, 128 or 256")
+        if not isinstance(self.split_k, int) or self.split_k < 1 or (self.split_k > 1 and self.kind == "tile"):
+            raise ValueError(f"GemmConfig.split_k={self.split_k!r}: expected an int >= 1 (1 for kind 'tile')")
 
 
 def select_config(num_routes: int, num_local: int, n: int, k: int) -> GemmConfig:
     """Block config for R routes over E_local experts into an N x K weight (see module doc).
 
-    NOTE: from the H200 probe (scripts/gpu_probe_mxfp4.py, 2026-11-29, a_split +
-    scale_bcast): decode (T <= 256, < 64 rows per expert) fastest at 16 x 128, 4 warps,
-    3 stages (Flash gate_up T=16: 546 us vs 640 at 16 x 64); T = 4096 at 64 x 128, 4 warps
-    (Pro-TP8 1772 us vs 2258 at 128 x 128 / 8 warps; Flash 4572 vs 4258, 7% behind).
+    By the expected rows per local expert (R / E_local, uniform routing assumed); every
+    choice dequantises with the inline PTX (asm=True, bitwise equal to the fp32
+    construction on the H200 at every probed shape). NOTE: from the H200 probes
+    (scripts/gpu_probe_mxfp4_bodies.py, docs/bench/2026-11-29/session2/, CUDA graphs,
+    Flash gate_up / Pro-TP8 gate_up in us, old default -> chosen):
+      < 0.1 rows (T <= 4 at 256-384 experts): "gemv", one route per program, no 16-row MMA
+            padding (T=1: 73.1 -> 42.7, 90.6 -> 33.1); BLOCK_N 16 / 2 warps for the long-K
+            gate_up, 64 / 4 warps for down (Flash down T=1 36.9 -> 22.5)
+      < 8   (T = 16 .. 256): "tile" 16 x 128 (T=64: 1357.8 -> 1110.1, 591.7 -> 477.8;
+            "swap" is level on gate_up and up to 25 % slower on Pro-TP8 down)
+      < 64  (T = 1024): "swap" 32 x 128 (3376.0 -> 1937.3, 1243.4 -> 894.4)
+      else  (T = 4096): "tile" 64 x 128 (4596.0 -> 4076.1, 1758.8 -> 1522.6)
+    Split-K (exact) never paid on these shapes (its workspace pass costs more than the
+    parallelism gains), so split_k stays 1.
     """
     rows = num_routes / max(num_local, 1)
+    if rows < 0.1:
+        return GemmConfig(1, 16, 2, 4, kind="gemv", asm=True) if k >= 4096 else \
+            GemmConfig(1, 64, 4, 4, kind="gemv", asm=True)
+    if rows < 8:
+        return GemmConfig(16, 128, 4, 3, asm=True)
     if rows < 64:
-        return GemmConfig(16, 128, 4, 3)
-    return GemmConfig(64, 128, 4, 3)
+        return GemmConfig(32, 128, 4, 3, kind="swap", asm=True)
+    return GemmConfig(64, 128, 4, 3, asm=True)
 
 
 def _fail(name: str, t, expected: str) -> None:
@@ -116,6 +150,8 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
     sa = sa.contiguous()
     w4 = w4.contiguous()
     sw = sw.contiguous().view(torch.uint8)
+    if cfg.kind != "tile":
+        return _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg)
     grid = (align.max_blocks, triton.cdiv(n, cfg.block_n))
     _mxfp4_grouped_gemm_kernel[grid](
         q, sa, w4, sw, out,
@@ -127,6 +163,40 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         SOFTWARE_BF16=interpreting(),
         A_SPLIT=cfg.a_split, W_KN=cfg.w_kn, SCALE_BCAST=cfg.scale_bcast, DIAG=cfg.diag,
+        ASM=cfg.asm and cfg.scale_bcast and not interpreting(),
         num_warps=cfg.num_warps,
     )
+    return out
+
+
+def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg):
+    """The "swap" and "gemv" bodies, optionally split over K with an ordered reduction."""
+    import triton  # noqa: PLC0415
+
+    from ._mxfp4_grouped_gemm import _mxfp4_gemv_kernel, _mxfp4_grouped_gemm_swap_kernel, _split_k_reduce_kernel
+    from ._triton_utils import interpreting
+    kb = -(-k // 128)
+    splits = min(cfg.split_k, kb)
+    kb_per = -(-kb // splits)
+    splits = -(-kb // kb_per)
+    split = splits > 1
+    r = align.num_routes
+    ws = torch.empty((kb, r, n) if split else (1,), dtype=torch.float32, device=q.device)
+    grid = (align.max_blocks, triton.cdiv(n, cfg.block_n), splits)
+    args = (q, sa, w4, sw, out, ws, align.sorted_route_ids, align.block_expert, align.num_valid_blocks,
+            n, r, align.top_k, q.stride(0), sa.stride(0), w4.stride(0), w4.stride(1), sw.stride(0), sw.stride(1),
+            out.stride(0))
+    common = dict(A_GATHER=gather_a, OUT_SCATTER=scatter_out, K=k, BLOCK_N=cfg.block_n,
+                  NUM_STAGES=cfg.num_stages, KB_PER=kb_per, SPLIT=split, SOFTWARE_BF16=interpreting(),
+                  ASM=cfg.asm and not interpreting(),
+                  num_warps=cfg.num_warps)
+    if cfg.kind == "swap":
+        _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, **common)
+    else:
+        _mxfp4_gemv_kernel[grid](*args, **common)
+    if split:
+        br, bn = 4, 256
+        _split_k_reduce_kernel[(triton.cdiv(r, br), triton.cdiv(n, bn))](
+            ws, out, align.route_rows, r, n, out.stride(0), KB=kb, OUT_SCATTER=scatter_out,
+            BLOCK_R=br, BLOCK_N=bn, SOFTWARE_BF16=interpreting(), num_warps=4)
     return out

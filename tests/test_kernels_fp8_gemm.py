@@ -93,10 +93,12 @@ def test_m0_no_launch(monkeypatch):
 
 
 def test_choose_config_shapes():
-    c = choose_config(1, 4096, 4096)                        # V4-Flash gate_up decode
-    assert (c["BLOCK_M"], c["BLOCK_N"]) == (16, 64) and c["SPLIT_K"] > 1
+    c = choose_config(1, 4096, 4096)                        # V4-Flash gate_up, one token: GEMV body
+    assert c.get("GEMV") and c["BLOCK_N"] == 64 and c["SPLIT_K"] >= 16   # ~8 programs per SM
+    c = choose_config(2, 4096, 4096)                        # decode batch: 16-row MMA tiles
+    assert (c["BLOCK_M"], c["BLOCK_N"]) == (16, 64) and c["SPLIT_K"] > 1 and not c.get("GEMV")
     assert 4096 // 64 * c["SPLIT_K"] >= 2 * NUM_SMS_H200    # split-K fills the GPU
-    assert choose_config(1, 768, 7168)["SPLIT_K"] > 1       # V4-Pro TP8 gate_up: 12 tiles
+    assert choose_config(4, 768, 7168)["SPLIT_K"] > 1       # V4-Pro TP8 gate_up: 12 tiles
     assert choose_config(1, 7168, 384)["SPLIT_K"] == 1      # K = 3 blocks: single pass
     c = choose_config(8192, 4096, 4096)
     assert c["SPLIT_K"] == 1 and c["IMPRECISE"] == 32 and c["BLOCK_M"] >= 64
@@ -194,3 +196,19 @@ def test_optional_paths_say_why_on_cpu():
     assert not ok and "CUDA" in why
     ok, why = deep_gemm_supported(4, 4096, 4096, "cpu")
     assert not ok and why
+
+
+@pytest.mark.parametrize("m,n,k,split_k", [(1, 256, 1024, 1), (3, 200, 300, 1), (2, 384, 1024, 4)])
+def test_gemv_body_vs_reference(m, n, k, split_k):
+    """The CUDA-core decode body (GEMV=True): same bound as the MMA body, its exact
+    split-K bitwise equal to its single pass."""
+    cfg = dict(BLOCK_M=1, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, GEMV=True, SPLIT_K=1)
+    got, _ = check(m, n, k, seed=m + k, config=cfg)
+    if split_k > 1:
+        q, sa, w, sw = make_case(m, n, k, seed=m + k)
+        many = fp8_block_gemm_nt(q.to(DEV), sa.to(DEV), w.to(DEV), sw.to(DEV), config=cfg, split_k=split_k).cpu()
+        assert torch.equal(got.view(torch.int16), many.view(torch.int16))
+    q, sa, w, sw = make_case(m, n, k, seed=m + k)
+    sw2 = (sw.view(torch.uint8) + 1).view(torch.float8_e8m0fnu)
+    bad = fp8_block_gemm_nt(q.to(DEV), sa.to(DEV), w.to(DEV), sw2.to(DEV), config=cfg).cpu()
+    assert (bf16_ulp_diff(bad, got) > 0).float().mean().item() > 0.9

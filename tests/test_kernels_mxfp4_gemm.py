@@ -143,9 +143,22 @@ def test_zero_tokens_no_launch_and_guards():
 
 
 def test_select_config_decode_vs_prefill():
-    assert select_config(6, 256, 4096, 4096).block_m == 16
-    assert select_config(32768 * 6, 256, 4096, 4096).block_m == 64
-    assert select_config(63 * 256, 256, 4096, 4096).block_m == 16  # crossover at 64 rows per expert
+    c = select_config(6, 256, 4096, 4096)                    # Flash T=1: one route per program
+    assert (c.kind, c.block_m, c.asm) == ("gemv", 1, True)
+    assert select_config(6, 256, 4096, 2048).block_n == 64   # down: shorter K, wider tile
+    assert (select_config(16 * 6, 256, 4096, 4096).kind, select_config(16 * 6, 256, 4096, 4096).block_m) == ("tile", 16)
+    assert select_config(1024 * 6, 256, 4096, 4096).kind == "swap"
+    assert select_config(4096 * 6, 256, 4096, 4096).block_m == 64
+    assert select_config(63 * 256, 256, 4096, 4096).block_m == 32  # crossover at 64 rows per expert
+    from dsv4_moe.kernels.routed_experts import routed_configs
+
+    def shape(*sz):  # zero-size storage: only the shapes matter to routed_configs
+        return torch.zeros(1, 1, 1, dtype=torch.uint8).expand(*sz)
+    flash = RoutedExpertWeights(shape(256, 4096, 2048), shape(256, 4096, 128), shape(256, 4096, 1024),
+                                shape(256, 4096, 64), first_expert=0, num_experts=256)
+    for t in (1, 4, 16, 256, 1024, 4096):  # gate_up and down always share one alignment
+        up, down = routed_configs(t * 6, flash)
+        assert up.block_m == down.block_m and up.kind == down.kind
 
 
 @pytest.mark.parametrize("flags", [dict(a_split=False, scale_bcast=False), dict(a_split=True, scale_bcast=False),
@@ -162,3 +175,41 @@ def test_layout_flags_match_default(flags):
     other = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=GemmConfig(16, 64, **flags))
     rows = a.route_rows.long()
     assert torch.equal(base[rows].view(torch.int16), other[rows].view(torch.int16))
+
+
+@pytest.mark.parametrize("kind,bm,split", [("swap", 16, 1), ("swap", 16, 3), ("gemv", 1, 1), ("gemv", 1, 2)],
+                         ids=["swap", "swap-splitk", "gemv", "gemv-splitk"])
+def test_other_bodies_vs_reference(kind, bm, split):
+    """The swapped-operand and GEMV bodies (and their exact split-K) against the reference,
+    gate_up (gathered rows) and down (K=384, scatter, a non-local route never written)."""
+    g = torch.Generator().manual_seed(21)
+    e, t, k, h, n = 8, 5, 3, 384, 128
+    w, s = _weights(e, n, h, g)
+    q, sa = ref.act_quant(torch.randn(t, h, generator=g).bfloat16() * 3)
+    ids = _ids(t, k, e + 2, g)          # experts 8, 9 belong to another rank
+    ids[0, 0] = 9
+    ids = ids.sort(1).values
+    a = moe_align(ids.int(), e, 0, bm)
+    cfg = GemmConfig(bm, 64, 4, 2, kind=kind, split_k=split)
+    out = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=cfg)
+    local = ids.flatten() < e
+    rows = a.route_rows.long()[local]
+    exp = torch.cat([ref.fp4_gemm(q[r // k:r // k + 1], sa[r // k:r // k + 1], w[ei], s[ei])
+                     for r, ei in zip(torch.nonzero(local).flatten().tolist(), ids.flatten()[local].tolist())])
+    _assert_close(out[rows], exp, f"{kind} gate_up")
+    _assert_far(out[rows], torch.cat([ref.fp4_gemm(q[r // k:r // k + 1], sa[r // k:r // k + 1], w[ei],
+                                                   torch.roll(s[ei].view(torch.uint8), 1, 1).view(s.dtype))
+                                      for r, ei in zip(torch.nonzero(local).flatten().tolist(),
+                                                       ids.flatten()[local].tolist())]), "shifted scales")
+    # down: rows in permuted order, scattered to route slots
+    hq, hs = ref.act_quant(torch.randn(a.max_rows, h, generator=g).bfloat16())
+    sentinel = torch.full((t * k, n), 7.0, dtype=torch.bfloat16)
+    y = mxfp4_grouped_gemm(hq, hs, w, s, a, gather_a=False, scatter_out=True, out=sentinel.clone(), config=cfg)
+    exp = torch.cat([ref.fp4_gemm(hq[i:i + 1], hs[i:i + 1], w[ei], s[ei])
+                     for i, ei in zip(rows.tolist(), ids.flatten()[local].tolist())])
+    _assert_close(y[local], exp, f"{kind} down")
+    assert torch.equal(y[~local], sentinel[~local]), "non-local slots must not be written"
+    if split > 1:  # the ordered reduction is bitwise the single pass
+        one = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False,
+                                 config=GemmConfig(bm, 64, 4, 2, kind=kind, split_k=1))
+        assert torch.equal(out[rows].view(torch.int16), one[rows].view(torch.int16))
