@@ -115,12 +115,19 @@ def quant_group_tile(x, SCALE_FMT: tl.constexpr, SOFTWARE: tl.constexpr):
     if SCALE_FMT == 3:
         s = tl.math.div_rn(amax, 448.0)
         s_store = s
+        y = tl.math.div_rn(x, s[:, None])
     else:
         s, e = ue8m0_from_amax(amax)
         if SCALE_FMT == 1:
             s_store = e.to(tl.uint8)
         else:
             s_store = s
-    y = tl.math.div_rn(x, s[:, None])
+        # NOTE: s = 2^(e-127) is a power of two, so x / s == x * 2^(127-e) bit for bit
+        # (both are the correctly rounded value of the same real number; the GPU does not
+        # flush fp32 subnormals here). e is in [105, 247] for finite amax >= 1e-4, or 255
+        # (amax = inf: s = inf, x / inf = x * 0). One multiply instead of an IEEE divide
+        # per element (measured in scripts/bench_swiglu_quant.py).
+        inv = tl.where(e == 255, 0, (254 - e) << 23).to(tl.float32, bitcast=True)
+        y = x * inv[:, None]
     y = tl.clamp(y, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
     return cast_e4m3_bytes(y, SOFTWARE), s_store
