@@ -366,6 +366,10 @@ def part_gemm_timing():
             row = dict(part="t_gemm", shape=label, M=m, N=n, K=k, config=choose_config(m, n, k))
             us = bench([lambda w=w, sw=sw: fp8_block_gemm_nt(q, sa, w, sw) for w, sw in ws])
             row.update(us_triton=us, TBps_w_triton=wbytes / us / 1e6, TFLOPs_triton=fl / us / 1e6)
+            if m > 16:  # the faster, less accurate accumulation (choose_config(fast_accum=True))
+                fast = choose_config(m, n, k, fast_accum=True)
+                us = bench([lambda w=w, sw=sw: fp8_block_gemm_nt(q, sa, w, sw, config=fast) for w, sw in ws])
+                row.update(us_triton_fast=us, TBps_w_triton_fast=wbytes / us / 1e6, TFLOPs_triton_fast=fl / us / 1e6)
             ok, why = scaled_mm_supported(m, n, k, DEV)
             layout = ARGS.scaled_mm_layout
             if ok:
@@ -449,12 +453,13 @@ def summary():
                          f"{r['us_persistent']:7.2f} {r['us_unfused']:8.2f} {r['GBps_fused']:7.0f} "
                          f"{r['pct_copy_fused']:6.1f} {r['speedup_fused']:5.2f}")
     lines.append(f"{'gemm shape':18s} {'M':>5s} {'triton us':>9s} {'TB/s':>6s} {'TF/s':>6s} "
-                 f"{'scaled_mm us':>12s} {'TB/s':>6s} {'TF/s':>6s}")
+                 f"{'scaled_mm us':>12s} {'TB/s':>6s} {'TF/s':>6s} {'fast-acc us':>11s}")
     for r in ROWS:
         if r["part"] == "t_gemm" and "us_triton" in r:
             lines.append(f"{r['shape']:18s} {r['M']:5d} {r['us_triton']:9.2f} {r['TBps_w_triton']:6.2f} "
                          f"{r['TFLOPs_triton']:6.0f} {r.get('us_scaled_mm', float('nan')):12.2f} "
-                         f"{r.get('TBps_w_scaled_mm', float('nan')):6.2f} {r.get('TFLOPs_scaled_mm', float('nan')):6.0f}")
+                         f"{r.get('TBps_w_scaled_mm', float('nan')):6.2f} {r.get('TFLOPs_scaled_mm', float('nan')):6.0f} "
+                         f"{r.get('us_triton_fast', float('nan')):11.2f}")
     lines.append(f"{'split-K shape':18s} {'M':>5s} {'split':>5s} {'chosen':>6s} {'ws MB':>6s} {'single us':>9s} "
                  f"{'TB/s':>5s} {'split us':>8s} {'TB/s':>5s} {'bitwise':>7s}")
     for r in ROWS:
