@@ -81,7 +81,7 @@ def select_config(num_routes: int, num_local: int, n: int, k: int) -> GemmConfig
     Flash gate_up / Pro-TP8 gate_up in us, old default -> chosen):
       < 0.1 rows (T <= 4 at 256-384 experts): "gemv", one route per program, no 16-row MMA
             padding (T=1: 73.1 -> 42.7, 90.6 -> 33.1); BLOCK_N 16 / 2 warps for the long-K
-            gate_up, 64 / 4 warps for down (Flash down T=1 36.9 -> 22.5)
+            gate_up, 64 / 4 warps for down (Flash down T=1 36.9 -> 22.8)
       < 8   (T = 16 .. 256): "tile" 16 x 128 (T=64: 1357.8 -> 1110.1, 591.7 -> 477.8;
             "swap" is level on gate_up and up to 25 % slower on Pro-TP8 down)
       < 64  (T = 1024): "swap" 32 x 128 (3376.0 -> 1937.3, 1243.4 -> 894.4)

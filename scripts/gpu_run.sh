@@ -9,7 +9,7 @@ SITE=/tmp/site
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE .whl/*.whl
 fi
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target $SITE . || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target $SITE . || exit 1
 export PYTHONPATH=$SITE
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu_info.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu_info.txt"
