@@ -352,6 +352,7 @@ def _mxfp4_gemv_kernel(
     SOFTWARE_BF16: tl.constexpr,
     SELECT_SUBNORMAL: tl.constexpr = False,
     ASM: tl.constexpr = False,
+    UNROLL: tl.constexpr = 1,   # 128-blocks per loop iteration (their loads issue together)
 ):
     """One routed row per program (alignment with BLOCK_M = 1): a batched GEMV on the CUDA
     cores, no MMA padding. Per 128-wide block: exact fp32 products summed in any order
@@ -378,24 +379,26 @@ def _mxfp4_gemv_kernel(
     w_ptrs = w_ptr + e * stride_we + n_safe[:, None] * stride_wn + kh[None, :]
     sw_ptrs = sw_ptr + e * stride_swe + n_safe[:, None] * stride_swn + k4[None, :]
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in tl.range(0, KB_PER, num_stages=NUM_STAGES):
-        kb = pid_k * KB_PER + j
-        k0 = kb * 128
-        a = tl.load(a_ptr + arow * stride_am + k0 + kk, mask=k0 + kk < K, other=0.0).to(tl.float32)
-        a_even, a_odd = tl.split(tl.reshape(a, (64, 2)))
-        kmask = (k0 // 2 + kh)[None, :] < K // 2
-        packed = tl.load(w_ptrs + k0 // 2, mask=kmask, other=0)
-        sb4 = tl.load(sw_ptrs + k0 // 32, mask=(k0 // 32 + k4)[None, :] < K // 32, other=127)
-        if ASM:
-            w_lo, w_hi = _dequant_w_asm(packed, sb4, BLOCK_N)
-        else:
-            w_lo, w_hi = _dequant_w(packed, sb4, BLOCK_N, SELECT_SUBNORMAL)
-        part = tl.sum(w_lo.to(tl.float32) * a_even[None, :] + w_hi.to(tl.float32) * a_odd[None, :], axis=1)
-        s_a = tl.load(sa_ptr + arow * stride_sam + kb, mask=kb < (K + 127) // 128, other=0.0)
-        if SPLIT:
-            tl.store(ws_ptr + kb * R * N + route * N + n, part * s_a, mask=n_ok & (kb < (K + 127) // 128))
-        else:
-            acc += part * s_a
+    kb_end = min((pid_k + 1) * KB_PER, (K + 127) // 128)   # this program's blocks: [pid_k * KB_PER, kb_end)
+    for j in tl.range(0, KB_PER, UNROLL, num_stages=NUM_STAGES):
+        for u in tl.static_range(UNROLL):
+            kb = pid_k * KB_PER + j + u
+            k0 = kb * 128
+            a = tl.load(a_ptr + arow * stride_am + k0 + kk, mask=(k0 + kk < K) & (kb < kb_end), other=0.0).to(tl.float32)
+            a_even, a_odd = tl.split(tl.reshape(a, (64, 2)))
+            kmask = ((k0 // 2 + kh)[None, :] < K // 2) & (kb < kb_end)
+            packed = tl.load(w_ptrs + k0 // 2, mask=kmask, other=0)
+            sb4 = tl.load(sw_ptrs + k0 // 32, mask=((k0 // 32 + k4)[None, :] < K // 32) & (kb < kb_end), other=127)
+            if ASM:
+                w_lo, w_hi = _dequant_w_asm(packed, sb4, BLOCK_N)
+            else:
+                w_lo, w_hi = _dequant_w(packed, sb4, BLOCK_N, SELECT_SUBNORMAL)
+            part = tl.sum(w_lo.to(tl.float32) * a_even[None, :] + w_hi.to(tl.float32) * a_odd[None, :], axis=1)
+            s_a = tl.load(sa_ptr + arow * stride_sam + kb, mask=kb < kb_end, other=0.0)
+            if SPLIT:
+                tl.store(ws_ptr + kb * R * N + route * N + n, part * s_a, mask=n_ok & (kb < kb_end))
+            else:
+                acc += part * s_a
     if not SPLIT:
         if OUT_SCATTER:
             orow = route.to(tl.int64)

@@ -56,6 +56,8 @@ class GemmConfig:
     # dequantise with the inline-PTX bf16x2 construction (_dequant_w); ignored (False)
     # under the Triton interpreter, which cannot run PTX; needs scale_bcast for "tile"
     asm: bool = False
+    # "gemv" only: 128-blocks per loop iteration (independent loads in flight together)
+    unroll: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in ("tile", "swap", "gemv"):
@@ -193,7 +195,7 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg):
     if cfg.kind == "swap":
         _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, **common)
     else:
-        _mxfp4_gemv_kernel[grid](*args, **common)
+        _mxfp4_gemv_kernel[grid](*args, UNROLL=cfg.unroll, **common)
     if split:
         br, bn = 4, 256
         _split_k_reduce_kernel[(triton.cdiv(r, br), triton.cdiv(n, bn))](

@@ -56,6 +56,12 @@ def variants(t, n, k, which):
     (second probe: the inline-PTX dequantisation in every body, against the plain one)."""
     kb = -(-k // 128)
     v = []
+    if which == "unroll":  # third probe: several 128-blocks per GEMV loop iteration
+        for bn, nw in ((16, 2), (64, 4)):
+            for un in (1, 2, 4):
+                for sk in (1, 4):
+                    v.append(GemmConfig(1, bn, nw, 4, kind="gemv", asm=True, unroll=un, split_k=sk))
+        return v
     if which == "asm":
         if t <= 16:
             for bn, nw in ((16, 2), (64, 4)):
@@ -99,7 +105,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--ts", default="1,4,16,64,256,1024,4096")
-    ap.add_argument("--set", default="asm", choices=("bodies", "asm"))
+    ap.add_argument("--set", default="asm", choices=("bodies", "asm", "unroll"))
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", "./out")
     os.makedirs(out_dir, exist_ok=True)
@@ -167,7 +173,8 @@ def main():
                     print(f"{name:10s} T={t:5d} {cfg.kind} {cfg}: {msg[:150]}", flush=True)
                     continue
                 frac, mx = ulp_stats(res, base)
-                key = (cfg.kind, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+                key = (cfg.kind, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) + \
+                    ((cfg.unroll,) if cfg.unroll > 1 else ())
                 bitwise_split = None
                 if cfg.asm:  # the PTX dequantisation builds the same bf16 values: bitwise
                     key_plain = key + (False,)
@@ -181,7 +188,7 @@ def main():
                 rows.append(dict(shape=name, T=t, cfg=cfg.__dict__, us=us, TBps=wbytes / us / 1e6,
                                  differ_vs_tile=frac, max_ulp_vs_tile=mx, split_bitwise=bitwise_split))
                 print(f"{name:10s} T={t:5d} {cfg.kind:4s} {cfg.block_m:3d}x{cfg.block_n:3d} w{cfg.num_warps} "
-                      f"s{cfg.num_stages} sk{cfg.split_k} asm{int(cfg.asm)}: {us:9.1f} us {wbytes / us / 1e6:5.2f} TB/s "
+                      f"s{cfg.num_stages} sk{cfg.split_k} asm{int(cfg.asm)} u{cfg.unroll}: {us:9.1f} us {wbytes / us / 1e6:5.2f} TB/s "
                       f"differ {frac:.4%} max {mx} ulp split_bitwise={bitwise_split}", flush=True)
     with open(os.path.join(out_dir, "probe_mxfp4_bodies.json"), "w") as f:
         json.dump(rows, f, indent=1)

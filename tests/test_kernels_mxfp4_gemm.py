@@ -177,9 +177,10 @@ def test_layout_flags_match_default(flags):
     assert torch.equal(base[rows].view(torch.int16), other[rows].view(torch.int16))
 
 
-@pytest.mark.parametrize("kind,bm,split", [("swap", 16, 1), ("swap", 16, 3), ("gemv", 1, 1), ("gemv", 1, 2)],
-                         ids=["swap", "swap-splitk", "gemv", "gemv-splitk"])
-def test_other_bodies_vs_reference(kind, bm, split):
+@pytest.mark.parametrize("kind,bm,split,unroll", [("swap", 16, 1, 1), ("swap", 16, 3, 1), ("gemv", 1, 1, 1),
+                                                 ("gemv", 1, 2, 1), ("gemv", 1, 1, 2), ("gemv", 1, 2, 2)],
+                         ids=["swap", "swap-splitk", "gemv", "gemv-splitk", "gemv-unroll2", "gemv-splitk-unroll2"])
+def test_other_bodies_vs_reference(kind, bm, split, unroll):
     """The swapped-operand and GEMV bodies (and their exact split-K) against the reference,
     gate_up (gathered rows) and down (K=384, scatter, a non-local route never written)."""
     g = torch.Generator().manual_seed(21)
@@ -190,7 +191,7 @@ def test_other_bodies_vs_reference(kind, bm, split):
     ids[0, 0] = 9
     ids = ids.sort(1).values
     a = moe_align(ids.int(), e, 0, bm)
-    cfg = GemmConfig(bm, 64, 4, 2, kind=kind, split_k=split)
+    cfg = GemmConfig(bm, 64, 4, 2, kind=kind, split_k=split, unroll=unroll)
     out = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=cfg)
     local = ids.flatten() < e
     rows = a.route_rows.long()[local]
@@ -211,5 +212,5 @@ def test_other_bodies_vs_reference(kind, bm, split):
     assert torch.equal(y[~local], sentinel[~local]), "non-local slots must not be written"
     if split > 1:  # the ordered reduction is bitwise the single pass
         one = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False,
-                                 config=GemmConfig(bm, 64, 4, 2, kind=kind, split_k=1))
+                                 config=GemmConfig(bm, 64, 4, 2, kind=kind, split_k=1, unroll=unroll))
         assert torch.equal(out[rows].view(torch.int16), one[rows].view(torch.int16))
