@@ -93,8 +93,11 @@ def select_config(num_routes: int, num_local: int, n: int, k: int) -> GemmConfig
     """
     rows = num_routes / max(num_local, 1)
     if rows < 0.1:
-        return GemmConfig(1, 16, 2, 4, kind="gemv", asm=True) if k >= 4096 else \
-            GemmConfig(1, 64, 4, 4, kind="gemv", asm=True)
+        if k < 4096:
+            return GemmConfig(1, 64, 4, 4, kind="gemv", asm=True)
+        # NOTE: 4 blocks per iteration for very long K (probe_mxfp4_unroll.txt: Pro-TP8
+        # gate_up, K = 7168, T=1 33.1 -> 28.4 us, T=4 73.9 -> 66.5; Flash K = 4096 level)
+        return GemmConfig(1, 16, 2, 4, kind="gemv", asm=True, unroll=4 if k >= 6144 else 1)
     if rows < 8:
         return GemmConfig(16, 128, 4, 3, asm=True)
     if rows < 64:

@@ -146,6 +146,7 @@ def test_select_config_decode_vs_prefill():
     c = select_config(6, 256, 4096, 4096)                    # Flash T=1: one route per program
     assert (c.kind, c.block_m, c.asm) == ("gemv", 1, True)
     assert select_config(6, 256, 4096, 2048).block_n == 64   # down: shorter K, wider tile
+    assert select_config(6, 384, 768, 7168).unroll == 4 and c.unroll == 1  # only very long K unrolls
     assert (select_config(16 * 6, 256, 4096, 4096).kind, select_config(16 * 6, 256, 4096, 4096).block_m) == ("tile", 16)
     assert select_config(1024 * 6, 256, 4096, 4096).kind == "swap"
     assert select_config(4096 * 6, 256, 4096, 4096).block_m == 64
