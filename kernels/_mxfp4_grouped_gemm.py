@@ -186,46 +186,44 @@ def _mxfp4_grouped_gemm_kernel(
     tl.store(o_ptrs, acc.to(tl.bfloat16), mask=row_ok[:, None] & n_ok[None, :])
 
 
-# e2m1 pairs -> bf16x2 on the bits, then one bf16x2 multiply by 2^(s-1) (sm_90's
-# mul.rn.bf16x2). Per 4 packed bytes: both nibbles of byte j share scale byte j. A bf16
-# with sign at bit 15 and magnitude code c at bits 6..8 is exactly e2m1(c) * 2^-126
-# (c = 1 lands on the bf16 subnormal 2^-127), as in _nibbles_to_f32, so the product with
-# 2^(s-1) is e2m1(c) * 2^(s-127), exact for s <= 128 (rounding never happens).
+# e2m1 pairs -> bf16x2 on the bits, then one bf16x2 multiply by the group's 2^(s-1) (sm_90's
+# mul.rn.bf16x2). Per 4 packed bytes of one 32-wide scale group ($4) and the group's
+# scale as bf16x2 ($5, the same in both halves; $6..$8 are the same register, pack=4):
+# a bf16 with magnitude code c at bits 6..8 is exactly |e2m1(c)| * 2^-126 (c = 1 lands on
+# the bf16 subnormal 2^-127), as in _nibbles_to_f32, so the product with 2^(s-1) is
+# |e2m1(c)| * 2^(s-127), exact for s <= 128 (rounding never happens); the sign bit is
+# then OR-ed in (ptxas folds the and + or into one LOP3). Per 8 weights: 2 prmt +
+# 4 x (2 shifts, and, mul, and-or) where the first version rebuilt the scale per 4 bytes
+# (6 more instructions) and multiplied the signed value.
 _E2M1X4_TO_BF16_ASM = tl.constexpr("""
 {
-.reg .b32 x, y, sa, sb, t, u;
+.reg .b32 x, y, t, u;
 prmt.b32 x, $4, 0, 0x4140;
 prmt.b32 y, $4, 0, 0x4342;
-prmt.b32 sa, $5, 0, 0x4140;
-prmt.b32 sb, $5, 0, 0x4342;
-add.u32 sa, sa, 0x007E007E;
-shl.b32 sa, sa, 7;
-add.u32 sb, sb, 0x007E007E;
-shl.b32 sb, sb, 7;
 shl.b32 t, x, 6;
 and.b32 t, t, 0x01C001C0;
+mul.rn.bf16x2 t, t, $5;
 shl.b32 u, x, 12;
 and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 $0, t, sa;
+or.b32 $0, t, u;
 shl.b32 t, y, 6;
 and.b32 t, t, 0x01C001C0;
+mul.rn.bf16x2 t, t, $5;
 shl.b32 u, y, 12;
 and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 $1, t, sb;
+or.b32 $1, t, u;
 shl.b32 t, x, 2;
 and.b32 t, t, 0x01C001C0;
+mul.rn.bf16x2 t, t, $5;
 shl.b32 u, x, 8;
 and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 $2, t, sa;
+or.b32 $2, t, u;
 shl.b32 t, y, 2;
 and.b32 t, t, 0x01C001C0;
+mul.rn.bf16x2 t, t, $5;
 shl.b32 u, y, 8;
 and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 $3, t, sb;
+or.b32 $3, t, u;
 }
 """)
 
@@ -235,9 +233,10 @@ def _dequant_w_asm(packed, sb4, BLOCK_N: tl.constexpr):
     """Packed [BLOCK_N, 64] uint8 + [BLOCK_N, 4] uint8 e8m0 -> bf16 (even k, odd k) tiles of
     e2m1 * 2^(s-127), exactly, by the inline PTX above (GPU only)."""
     p3 = tl.reshape(packed.to(tl.uint8), (BLOCK_N, 4, 16))
-    s3 = tl.broadcast_to(sb4.to(tl.uint8)[:, :, None], (BLOCK_N, 4, 16))
+    s2 = ((sb4.to(tl.int32) + 126) << 7) * 0x10001      # bf16x2 2^(s-1) per group, both halves
+    s3 = tl.broadcast_to(s2[:, :, None], (BLOCK_N, 4, 16))
     w_lo, w_hi = tl.inline_asm_elementwise(
-        _E2M1X4_TO_BF16_ASM, "=r,=r,=r,=r,r,r", [p3, s3],
+        _E2M1X4_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r,r,r", [p3, s3],
         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     return tl.reshape(w_lo, (BLOCK_N, 64)), tl.reshape(w_hi, (BLOCK_N, 64))
 

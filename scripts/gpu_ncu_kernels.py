@@ -1,0 +1,53 @@
+"""Kernels to put under Nsight Compute (H200): the decode GEMMs and the large-T SwiGLU-quant.
+
+    ncu --clock-control none -k regex:'mxfp4|fp8|swiglu|split_k' --section SpeedOfLight \
+        --section WarpStateStats --section SchedulerStats --section Occupancy \
+        python3 scripts/gpu_ncu_kernels.py
+
+Runs each case twice (the first launch compiles; profile either): the routed MXFP4 GEMM with
+the default config at T = 1 (Flash gate_up and down, Pro-TP8 gate_up; top-6 routes), the
+shared FP8 GEMM at M = 1 (Flash gate_up, the GEMV body) and SwiGLU-quant at T = 8192,
+I = 2048 (fused). The ncu report says whether a kernel is issue-, latency- or memory-bound.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4_moe.kernels.act_quant import act_quant
+from dsv4_moe.kernels.fp8_block_gemm import fp8_block_gemm_nt
+from dsv4_moe.kernels.moe_align import moe_align
+from dsv4_moe.kernels.mxfp4_grouped_gemm import mxfp4_grouped_gemm, select_config
+from dsv4_moe.kernels.swiglu_quant import swiglu_quant
+from dsv4_moe.testing import random_fp8_block_weight, random_mxfp4_weight
+
+DEV = torch.device("cuda")
+
+
+def main() -> None:
+    g = torch.Generator(device=DEV).manual_seed(0)
+    for name, n, k, e, gather in (("flash_up", 4096, 4096, 256, True), ("flash_down", 4096, 2048, 256, False),
+                                  ("pro_up", 768, 7168, 384, True)):
+        w, s = random_mxfp4_weight((e, n, k), generator=g)
+        ids = torch.randperm(e, device=DEV)[:6].sort().values.int()[None]
+        cfg = select_config(6, e, n, k)
+        a = moe_align(ids, e, 0, cfg.block_m)
+        rows = 1 if gather else a.max_rows
+        q, sa = act_quant(torch.randn(rows, k, device=DEV).bfloat16())
+        for _ in range(2):
+            mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=gather, scatter_out=not gather, config=cfg)
+        torch.cuda.synchronize()
+        print(name, cfg, flush=True)
+    w, sw = random_fp8_block_weight(4096, 4096, generator=g)
+    q, sa = act_quant(torch.randn(1, 4096, device=DEV).bfloat16())
+    for _ in range(2):
+        fp8_block_gemm_nt(q, sa, w, sw)
+    gu = torch.randn(8192, 4096, device=DEV).bfloat16()
+    for _ in range(2):
+        swiglu_quant(gu)
+    torch.cuda.synchronize()
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
