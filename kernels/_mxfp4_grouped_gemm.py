@@ -187,40 +187,44 @@ def _mxfp4_grouped_gemm_kernel(
 
 
 # e2m1 pairs -> bf16x2 on the bits, then one bf16x2 multiply by the group's 2^(s-1) (sm_90's
-# mul.rn.bf16x2). Per 4 packed bytes of one 32-wide scale group ($4) and the group's
-# scale as bf16x2 ($5, the same in both halves; $6..$8 are the same register, pack=4):
+# mul.rn.bf16x2). Per 4 packed bytes ($4, elements 0..3 in its bytes 0..3) and their
+# groups' scales as bf16x2 ($5..$8, one per element, the same value in both halves; the
+# 4 elements of one pack are one group's in the tile body but NOT in every layout, e.g.
+# the swap body's MMA-operand layout, so each pair takes its own two scales, 1 prmt):
 # a bf16 with magnitude code c at bits 6..8 is exactly |e2m1(c)| * 2^-126 (c = 1 lands on
 # the bf16 subnormal 2^-127), as in _nibbles_to_f32, so the product with 2^(s-1) is
 # |e2m1(c)| * 2^(s-127), exact for s <= 128 (rounding never happens); the sign bit is
-# then OR-ed in (ptxas folds the and + or into one LOP3). Per 8 weights: 2 prmt +
-# 4 x (2 shifts, and, mul, and-or) where the first version rebuilt the scale per 4 bytes
-# (6 more instructions) and multiplied the signed value.
+# then OR-ed in (ptxas folds the and + or into one LOP3). Per 8 weights: 4 prmt +
+# 4 x (2 shifts, and, mul, and-or) where the first version rebuilt the scales from the
+# bytes per 4 weights (4 more instructions) and multiplied the signed value.
 _E2M1X4_TO_BF16_ASM = tl.constexpr("""
 {
-.reg .b32 x, y, t, u;
+.reg .b32 x, y, t, u, sa, sb;
 prmt.b32 x, $4, 0, 0x4140;
 prmt.b32 y, $4, 0, 0x4342;
+prmt.b32 sa, $5, $6, 0x5410;
+prmt.b32 sb, $7, $8, 0x5410;
 shl.b32 t, x, 6;
 and.b32 t, t, 0x01C001C0;
-mul.rn.bf16x2 t, t, $5;
+mul.rn.bf16x2 t, t, sa;
 shl.b32 u, x, 12;
 and.b32 u, u, 0x80008000;
 or.b32 $0, t, u;
 shl.b32 t, y, 6;
 and.b32 t, t, 0x01C001C0;
-mul.rn.bf16x2 t, t, $5;
+mul.rn.bf16x2 t, t, sb;
 shl.b32 u, y, 12;
 and.b32 u, u, 0x80008000;
 or.b32 $1, t, u;
 shl.b32 t, x, 2;
 and.b32 t, t, 0x01C001C0;
-mul.rn.bf16x2 t, t, $5;
+mul.rn.bf16x2 t, t, sa;
 shl.b32 u, x, 8;
 and.b32 u, u, 0x80008000;
 or.b32 $2, t, u;
 shl.b32 t, y, 2;
 and.b32 t, t, 0x01C001C0;
-mul.rn.bf16x2 t, t, $5;
+mul.rn.bf16x2 t, t, sb;
 shl.b32 u, y, 8;
 and.b32 u, u, 0x80008000;
 or.b32 $3, t, u;

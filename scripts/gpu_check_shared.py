@@ -348,6 +348,18 @@ def part_swiglu_timing(copy_tbps):
                 row[f"us_{name}"] = us
                 row[f"GBps_{name}"] = by / us / 1e3
                 row[f"pct_copy_{name}"] = 100 * by / us / 1e6 / copy_tbps
+            if m * i >= PERSISTENT_MIN_ELEMENTS:  # more persistent programs per SM (ncu: 23 % occupancy at 4)
+                from dsv4_moe.kernels import _swiglu_quant as _sq
+                base_pps = _sq.PERSISTENT_PROGRAMS_PER_SM
+                for pps in (4, 8, 16):
+                    _sq.PERSISTENT_PROGRAMS_PER_SM = pps
+                    try:
+                        us = bench([lambda x=x, o=o: swiglu_quant(x, out_q=o[0], out_s=o[1], strategy="persistent")
+                                    for x, o in zip(xs, outs)])
+                    finally:
+                        _sq.PERSISTENT_PROGRAMS_PER_SM = base_pps
+                    row[f"us_persistent_pps{pps}"] = us
+                    row[f"pct_copy_persistent_pps{pps}"] = 100 * by / us / 1e6 / copy_tbps
             row["speedup_fused"] = row["us_unfused"] / row["us_fused"]
             add(row)
             del xs, outs
