@@ -26,10 +26,13 @@ from triton.language.extra import libdevice
 
 from ._triton_utils import interpreting, quant_group_tile, round_to_bf16
 
-# NOTE: 4 resident programs per SM of 4 warps each keep ~16 warps/SM of loads in flight,
-# enough to saturate HBM on H200 for a streaming kernel; re-tune with
-# scripts/bench_swiglu_quant.py --strategy persistent.
-PERSISTENT_PROGRAMS_PER_SM = 4
+# NOTE: measured on the H200 (2026-11-29, session 3, docs/bench/2026-11-29/session3/):
+# with 4 programs per SM ncu showed 23 % achieved occupancy and 36 % of DRAM peak at
+# I=2048, M=8192 (the tile loop is not pipelined, so warps in flight are what hides
+# latency). us at 4 / 8 / 16 programs per SM: I=2048 M=8192 46.4 / 40.8 / 36.8,
+# I=3072 M=8192 68.4 / 57.7 / 53.3, I=2048 M=4096 24.8 / 22.7 / 21.8, I=384 M=8192
+# 13.2 / 11.8 / 12.0. Re-tune with scripts/bench_swiglu_quant.py (pps columns in the JSON).
+PERSISTENT_PROGRAMS_PER_SM = 16
 PERSISTENT_BLOCK_M = 16
 
 

@@ -30,7 +30,7 @@ import torch
 
 from .moe_align import MoeAlignment
 
-__all__ = ["GemmConfig", "select_config", "mxfp4_grouped_gemm"]
+__all__ = ["GemmConfig", "select_config", "gemv_config", "mxfp4_grouped_gemm"]
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def select_config(num_routes: int, num_local: int, n: int, k: int) -> GemmConfig
     construction on the H200 at every probed shape). NOTE: from the H200 probes
     (scripts/gpu_probe_mxfp4_bodies.py, docs/bench/2026-11-29/session2/, CUDA graphs,
     Flash gate_up / Pro-TP8 gate_up in us, old default -> chosen):
-      < 0.1 rows (T <= 4 at 256-384 experts): "gemv", one route per program, no 16-row MMA
+      < 0.05 rows (T <= 2 at 256-384 experts; < 0.1 when K >= 6144): "gemv", one route per program, no 16-row MMA
             padding (T=1: 73.1 -> 42.7, 90.6 -> 33.1); BLOCK_N 16 / 2 warps for the long-K
             gate_up, 64 / 4 warps for down (Flash down T=1 36.9 -> 22.8)
       < 8   (T = 16 .. 256): "tile" 16 x 128 (T=64: 1357.8 -> 1110.1, 591.7 -> 477.8;
@@ -92,17 +92,27 @@ def select_config(num_routes: int, num_local: int, n: int, k: int) -> GemmConfig
     parallelism gains), so split_k stays 1.
     """
     rows = num_routes / max(num_local, 1)
-    if rows < 0.1:
-        if k < 4096:
-            return GemmConfig(1, 64, 4, 4, kind="gemv", asm=True)
-        # NOTE: 4 blocks per iteration for very long K (probe_mxfp4_unroll.txt: Pro-TP8
-        # gate_up, K = 7168, T=1 33.1 -> 28.4 us, T=4 73.9 -> 66.5; Flash K = 4096 level)
-        return GemmConfig(1, 16, 2, 4, kind="gemv", asm=True, unroll=4 if k >= 6144 else 1)
+    # NOTE (session 3, after the cheaper dequantisation PTX sped the MMA bodies up 8-14 %):
+    # at T = 4 on Flash the tile body passes the GEMV (probe_mxfp4_asm.txt of session 3:
+    # gate_up 143.9 -> 131.5 us, down 77.8 -> 68.2); the long-K Pro-TP8 gate_up keeps the
+    # unrolled GEMV (66.5 vs 78.9 us).
+    if rows < 0.05 or (rows < 0.1 and k >= 6144):
+        return gemv_config(k)
     if rows < 8:
         return GemmConfig(16, 128, 4, 3, asm=True)
     if rows < 64:
         return GemmConfig(32, 128, 4, 3, kind="swap", asm=True)
     return GemmConfig(64, 128, 4, 3, asm=True)
+
+
+def gemv_config(k: int) -> GemmConfig:
+    """The "gemv" body's config for reduction length K (also used for down when gate_up
+    of the same layer runs the GEMV, since both share one block_m = 1 alignment)."""
+    if k < 4096:
+        return GemmConfig(1, 64, 4, 4, kind="gemv", asm=True)
+    # NOTE: 4 blocks per iteration for very long K (probe_mxfp4_unroll.txt: Pro-TP8
+    # gate_up, K = 7168, T=1 33.1 -> 28.4 us, T=4 73.9 -> 66.5; Flash K = 4096 level)
+    return GemmConfig(1, 16, 2, 4, kind="gemv", asm=True, unroll=4 if k >= 6144 else 1)
 
 
 def _fail(name: str, t, expected: str) -> None:

@@ -32,7 +32,7 @@ import torch
 from dsv4_moe.weights.tensors import RoutedExpertWeights
 
 from .moe_align import MoeAlignment, moe_align
-from .mxfp4_grouped_gemm import GemmConfig, mxfp4_grouped_gemm, select_config
+from .mxfp4_grouped_gemm import GemmConfig, gemv_config, mxfp4_grouped_gemm, select_config
 
 __all__ = ["routed_experts_forward", "routed_configs"]
 
@@ -46,6 +46,8 @@ def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmCo
     i, h = routed.intermediate, routed.hidden
     up = select_config(num_routes, routed.num_local, 2 * i, h)
     down = select_config(num_routes, routed.num_local, h, i)
+    if up.kind == "gemv" and down.kind != "gemv":  # e.g. Pro-TP8 T=4: long-K gate_up keeps the GEMV
+        down = gemv_config(i)
     if down.block_m != up.block_m:
         down = dataclasses.replace(down, block_m=up.block_m)
     return up, down

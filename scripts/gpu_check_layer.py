@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     os.makedirs(out_dir, exist_ok=True)
     rows: list[dict] = []
     dev = torch.device("cuda")
-    tokens = [1, 16, 256] if args.quick else [1, 16, 256, 1000, 4096]
+    tokens = [1, 4, 16, 256] if args.quick else [1, 4, 16, 256, 1000, 4096]
     # Pro at TP8 is run as the per-rank layer (I = 384) on its own: one GPU holds one rank,
     # and the cross-rank reduce is torch.distributed's (tested on CPU with gloo).
     pro_rank = MoEConfig.pro().replace(moe_intermediate_size=384, name="pro-tp8-rank")
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
         t0 = time.time()
         w = random_layer_weights(cfg, layer_idx=5, seed=0, device=dev, **kw)
         print(f"{name}: synthetic weights in {time.time() - t0:.1f}s", flush=True)
-        check_layer(name, cfg, w, rows, tokens, ref_tokens=[1, 16], graph_tokens=[1, 16, 256])
+        check_layer(name, cfg, w, rows, tokens, ref_tokens=[1, 4, 16], graph_tokens=[1, 4, 16, 256])
         del w
         torch.cuda.empty_cache()
     if not args.no_checkpoint:

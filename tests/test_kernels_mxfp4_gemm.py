@@ -157,9 +157,14 @@ def test_select_config_decode_vs_prefill():
         return torch.zeros(1, 1, 1, dtype=torch.uint8).expand(*sz)
     flash = RoutedExpertWeights(shape(256, 4096, 2048), shape(256, 4096, 128), shape(256, 4096, 1024),
                                 shape(256, 4096, 64), first_expert=0, num_experts=256)
-    for t in (1, 4, 16, 256, 1024, 4096):  # gate_up and down always share one alignment
-        up, down = routed_configs(t * 6, flash)
-        assert up.block_m == down.block_m and up.kind == down.kind
+    pro_tp8 = RoutedExpertWeights(shape(384, 768, 3584), shape(384, 768, 224), shape(384, 7168, 192),
+                                  shape(384, 7168, 12), first_expert=0, num_experts=384)
+    for layer in (flash, pro_tp8):
+        for t in (1, 2, 3, 4, 5, 8, 16, 256, 1024, 4096):  # gate_up and down always share one alignment
+            up, down = routed_configs(t * 6, layer)
+            assert up.block_m == down.block_m and up.kind == down.kind, (t, up, down)
+    assert routed_configs(4 * 6, flash)[0].kind == "tile"      # T=4: the MMA body passes the GEMV on Flash
+    assert routed_configs(4 * 6, pro_tp8)[0].kind == "gemv"    # but not on the long-K Pro-TP8 gate_up
 
 
 @pytest.mark.parametrize("flags", [dict(a_split=False, scale_bcast=False), dict(a_split=True, scale_bcast=False),
