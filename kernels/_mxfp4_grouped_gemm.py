@@ -25,8 +25,11 @@ and applying the per-32 weight scale after an FP8 MMA needs a K=32 MMA per scale
 (measured 0.4-0.5 TB/s). Folding the e8m0 scale into a bf16 weight is exact for scale
 bytes in [0, 128] (the fp32 factor 2^(s-1) must be a normal fp32; real checkpoints sit
 near 120), so one 128-deep bf16 MMA per activation block does the
-whole block, and the only freedom left versus SPEC §4.3 is fp32 summation order inside
-one 128-wide activation block, as the contract allows. The dispatch predicate rejects
+whole block. NOTE: SPEC §4.3 makes the 32-wide sub-block the unit (`acc += partial_j *
+sa * sw_j` per j, in order); summing the four 32-wide partials of a 128-block before the
+one `acc += part * sa` re-associates across sub-blocks, a deviation from the contract
+(0-0.024 % of layer outputs off the reference by 1 ulp, measured), not an in-block
+freedom; docs/DESIGN.md ("Numerics decisions") has the figures and the open decision. The dispatch predicate rejects
 layers whose scale bytes leave [0, 128] (checked once at load).
 
 e2m1 magnitude code c = e1 e0 m: value 2^(e-1) (1 + m/2) for e = c >> 1 >= 1, 0.5 for

@@ -17,7 +17,8 @@ of 32 (I = 384 gives 12 scale groups over 3 activation blocks; no padding).
 Three kernel bodies (GemmConfig.kind): "tile" (rows x weights MMA), "swap" (weights x
 rows MMA, the dequantised weight as the register operand) and "gemv" (one route per
 program on the CUDA cores, for decode where most experts get one row). All follow
-SPEC §4.3 with only the in-block summation order free. `select_config(num_routes,
+SPEC §4.3 except that the four 32-wide partials of a 128-wide activation block are
+summed before the block's `acc += part * sa` (a documented deviation, docs/DESIGN.md). `select_config(num_routes,
 num_local, n, k)` picks by the expected rows per expert (measured on the H200, see
 select_config).
 """

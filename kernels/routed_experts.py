@@ -16,9 +16,10 @@
     routed        RoutedExpertWeights (weights/tensors.py)
     ->  y         [T, k, H]         bfloat16        slots of non-local routes are not written
 
-Numerics: each GEMM follows SPEC §4.3 (only in-32-block summation order is free), and
+Numerics: each GEMM follows SPEC §4.3 except for summing a 128-block's four 32-wide
+partials before scaling (docs/DESIGN.md: a deviation, 1 ulp on <= 0.024 % of outputs), and
 swiglu_quant is bitwise its reference on the same device, so y equals
-`dsv4_moe.reference.routed_forward` except where an in-block order flip moves a bf16
+`dsv4_moe.reference.routed_forward` except where that re-association moves a bf16
 rounding of gu (and from there, rarely, an FP8 code of hq). No host syncs: capturable.
 """
 
