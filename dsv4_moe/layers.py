@@ -27,7 +27,7 @@ from .config import MoEConfig
 from .dispatch import DispatchContext
 from .weights.tensors import MoELayerWeights, RoutedExpertWeights, RouterWeights, SharedExpertWeights
 
-__all__ = ["DeepseekV4MLP", "DeepseekV4MoE", "load_moe_layer"]
+__all__ = ["DeepseekV4MLP", "DeepseekV4MoE", "load_moe_layer", "choose_routed_layout"]
 
 
 def _check_hidden(name: str, x: torch.Tensor, hidden: int, device: torch.device) -> None:
@@ -118,9 +118,15 @@ class DeepseekV4MoE(_NativeBuffers):
     forward(hidden_states [T, H] bf16, input_ids [T] int64 | None) -> [T, H] bf16.
     `input_ids` is required on hash layers. With tp_size or ep_size > 1 the partial
     sums are all-reduced in fp32 over `group` (torch.distributed must be initialised).
+
+    `routed_layout` is the byte order the layer keeps the routed experts' packed codes
+    in (weights/mma_layout.py): "auto" (default) takes "mma64" on CUDA when both expert
+    GEMMs have whole 64 x 128 tiles (the Hopper kernels' fast layout) and keeps the
+    given layout otherwise; "nk" / "mma64" force one. A conversion makes new tensors
+    (the caller's are never modified); `explain()` states the layout and why.
     """
 
-    def __init__(self, config: MoEConfig, weights: MoELayerWeights, *, group=None):
+    def __init__(self, config: MoEConfig, weights: MoELayerWeights, *, group=None, routed_layout: str = "auto"):
         super().__init__()
         config.check_parallel(tp_rank=weights.tp_rank, tp_size=weights.tp_size, ep_rank=weights.ep_rank,
                               ep_size=weights.ep_size)
@@ -146,6 +152,8 @@ class DeepseekV4MoE(_NativeBuffers):
         lo = min(int(t.view(torch.uint8).min()) for t in (r.gate_up_scale, r.down_scale)) if r.num_local else 127
         hi = max(int(t.view(torch.uint8).max()) for t in (r.gate_up_scale, r.down_scale)) if r.num_local else 127
         self.routed_scale_range = (lo, hi)
+        self.routed_layout, self.routed_layout_reason = choose_routed_layout(r, routed_layout)
+        r = r.with_layout(self.routed_layout)
         self._register("router_", weights.router)
         self._register("routed_", r)
         self.shared_experts = DeepseekV4MLP(config, weights.shared, tp_size=weights.tp_size)
@@ -162,7 +170,7 @@ class DeepseekV4MoE(_NativeBuffers):
     @property
     def routed(self) -> RoutedExpertWeights:
         return self._rebuild(RoutedExpertWeights, "routed_", first_expert=self.first_expert,
-                             num_experts=self.config.n_routed_experts)
+                             num_experts=self.config.n_routed_experts, layout=self.routed_layout)
 
     @property
     def weights(self) -> MoELayerWeights:
@@ -218,8 +226,27 @@ class DeepseekV4MoE(_NativeBuffers):
         head = (f"DeepseekV4MoE layer {self.layer_idx} ({'hash' if self.is_hash else 'top-k'} routing), "
                 f"hidden {c.hidden_size}, intermediate {c.local_intermediate(self.tp_size)} per rank, "
                 f"experts {self.first_expert}..{self.first_expert + self.num_local_experts - 1} of "
-                f"{c.n_routed_experts}, top-{c.num_experts_per_tok}")
+                f"{c.n_routed_experts}, top-{c.num_experts_per_tok}\n"
+                f"routed weights in layout {self.routed_layout!r}: {self.routed_layout_reason}")
         return head + "\n" + dispatch.explain(self.context(num_tokens))
+
+
+def choose_routed_layout(r: RoutedExpertWeights, requested: str = "auto") -> tuple[str, str]:
+    """(layout, reason) for DeepseekV4MoE's routed weights (see its docstring)."""
+    from .weights.mma_layout import LAYOUTS, mma64_supported
+
+    if requested != "auto" and requested not in LAYOUTS:
+        raise ValueError(f"routed_layout={requested!r}: expected 'auto' or one of {LAYOUTS}")
+    if requested != "auto":
+        return requested, "requested"
+    if r.gate_up.device.type != "cuda":
+        return r.layout, f"kept: weights on {r.gate_up.device.type} (the Hopper layout pays only on CUDA)"
+    h, i = r.hidden, r.intermediate
+    for what, (n, k) in (("gate_up", (2 * i, h)), ("down", (h, i))):
+        ok, why = mma64_supported(n, k)
+        if not ok:
+            return r.layout, f"kept: {what} {why}"
+    return "mma64", "auto on CUDA: whole 64 x 128 tiles, 16-byte operand loads in the MXFP4 kernels"
 
 
 def load_moe_layer(checkpoint_dir, layer_idx: int, *, device="cpu", tp_rank: int = 0, tp_size: int = 1,

@@ -85,6 +85,8 @@ def _mxfp4_grouped_gemm_kernel(
     SCALE_BCAST: tl.constexpr = False,  # 4 scale bytes per row, broadcast over 16 columns in registers
     DIAG: tl.constexpr = 0,             # probes only (scripts/gpu_probe_mxfp4.py): 1 skip dequant, 2 skip MMA
     ASM: tl.constexpr = False,          # bf16 weights built by inline PTX (_dequant_w), GPU only
+    W_SWZ: tl.constexpr = False,        # weights in the "mma64" layout (weights/mma_layout.py);
+                                        # needs SCALE_BCAST, BLOCK_N % 64 == 0 and K % 128 == 0
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -115,7 +117,9 @@ def _mxfp4_grouped_gemm_kernel(
         a_ptrs = a_ptr + arow[:, None] * stride_am + kk[None, :]
     else:
         a_ptrs = a_ptr + arow[:, None] * stride_am + 2 * kh[None, :]
-    if W_KN:  # weight tile loaded as [64 bytes along K, BLOCK_N]: the dot's B without a transpose
+    if W_SWZ:
+        w_ptrs = _mma64_tile_ptrs(w_ptr + e * stride_we, pid_n, N, stride_wn, BLOCK_N)
+    elif W_KN:  # weight tile loaded as [64 bytes along K, BLOCK_N]: the dot's B without a transpose
         w_ptrs = w_ptr + e * stride_we + n_safe[None, :] * stride_wn + kh[:, None]
     else:
         w_ptrs = w_ptr + e * stride_we + n_safe[:, None] * stride_wn + kh[None, :]
@@ -140,11 +144,16 @@ def _mxfp4_grouped_gemm_kernel(
             kmask = (k0 // 2 + kh)[:, None] < K // 2
         else:
             kmask = (k0 // 2 + kh)[None, :] < K // 2
-        packed_u8 = tl.load(w_ptrs + k0 // 2, mask=kmask, other=0)
+        if W_SWZ:  # whole 128-blocks and 64-row tiles (the layout's precondition): no K mask
+            packed_u8 = _mma64_unswizzle(tl.load(w_ptrs + kb * 4096), BLOCK_N)
+        else:
+            packed_u8 = tl.load(w_ptrs + k0 // 2, mask=kmask, other=0)
         packed = packed_u8.to(tl.int32)
         if SCALE_BCAST:
             sb4 = tl.load(sw_ptrs + k0 // 32, mask=(k0 // 32 + k4)[None, :] < K // 32, other=127)
-            if ASM:
+            if ASM and W_SWZ:
+                w_lo, w_hi = _dequant_w_swz_asm(packed_u8, sb4, BLOCK_N)
+            elif ASM:
                 w_lo, w_hi = _dequant_w_asm(packed_u8, sb4, BLOCK_N)
             else:
                 w_lo, w_hi = _dequant_w(packed_u8, sb4, BLOCK_N, SELECT_SUBNORMAL)
@@ -248,6 +257,88 @@ def _dequant_w_asm(packed, sb4, BLOCK_N: tl.constexpr):
     return tl.reshape(w_lo, (BLOCK_N, 64)), tl.reshape(w_hi, (BLOCK_N, 64))
 
 
+# e2m1 pairs -> bf16x2 for the "mma64" weight layout (fewer instructions than the asm
+# above: 18 instead of 24 per 4 packed bytes, SASS loop of the swap body 614 -> ~500).
+# The element pair (e0, e1) of one output register is (k, k+1) of one row there (the
+# MMA operand's pair), but nothing here relies on it: each pair still takes its own two
+# scales by prmt, so the construction is exact for any pairing. Bytes go to the HIGH byte
+# of each 16-bit half (x = [e1 0 e0 0]); then per half:
+#   low nibble  (bits 8..11): magnitude >> 2 -> bits 6..8, sign << 4 -> bit 15, one LOP3
+#                             ((a | b) & 0x81C0: a and b are zero where the other lands)
+#   high nibble (bits 12..15): magnitude >> 6 -> bits 6..8 (masked: the low nibble's bit 0
+#                             lands at 8 in x itself), sign already at bit 15
+# and the signed bf16 (|e2m1| * 2^-126, c = 1 the bf16 subnormal) times the group's
+# 2^(s-1) is e2m1 * 2^(s-127) exactly, the same values as _E2M1X4_TO_BF16_ASM
+# (bit-checked for every byte and scale bytes 0, 1, 100, 127, 128 by
+# tests/test_kernels_mxfp4_gemm.py::test_swz_dequant_ptx_emulated_bitwise).
+_E2M1X4_TO_BF16_SWZ_ASM = tl.constexpr("""
+{
+.reg .b32 x, y, t, u, sa, sb;
+prmt.b32 x, $4, 0, 0x1404;
+prmt.b32 y, $4, 0, 0x3424;
+prmt.b32 sa, $5, $6, 0x5410;
+prmt.b32 sb, $7, $8, 0x5410;
+shr.b32 t, x, 2;
+shl.b32 u, x, 4;
+or.b32 t, t, u;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $0, t, sa;
+shr.b32 t, y, 2;
+shl.b32 u, y, 4;
+or.b32 t, t, u;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $1, t, sb;
+shr.b32 t, x, 6;
+and.b32 t, t, 0x01C001C0;
+and.b32 u, x, 0x80008000;
+or.b32 t, t, u;
+mul.rn.bf16x2 $2, t, sa;
+shr.b32 t, y, 6;
+and.b32 t, t, 0x01C001C0;
+and.b32 u, y, 0x80008000;
+or.b32 t, t, u;
+mul.rn.bf16x2 $3, t, sb;
+}
+""")
+
+
+@triton.jit
+def _dequant_w_swz_asm(packed, sb4, BLOCK_N: tl.constexpr):
+    """As _dequant_w_asm, by _E2M1X4_TO_BF16_SWZ_ASM (GPU only)."""
+    p3 = tl.reshape(packed.to(tl.uint8), (BLOCK_N, 4, 16))
+    s2 = ((sb4.to(tl.int32) + 126) << 7) * 0x10001
+    s3 = tl.broadcast_to(s2[:, :, None], (BLOCK_N, 4, 16))
+    w_lo, w_hi = tl.inline_asm_elementwise(
+        _E2M1X4_TO_BF16_SWZ_ASM, "=r,=r,=r,=r,r,r,r,r,r", [p3, s3],
+        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    return tl.reshape(w_lo, (BLOCK_N, 64)), tl.reshape(w_hi, (BLOCK_N, 64))
+
+
+@triton.jit
+def _mma64_tile_ptrs(w_e_ptr, pid_n, N, stride_wn, BLOCK_N: tl.constexpr):
+    """[BLOCK_N // 64, 16, 256] pointers to the first 128-block of this program's 64-row
+    tiles in the "mma64" layout (tile (t, kb) = 4096 contiguous bytes at
+    t * 64 * stride_wn + kb * 4096); tiles past N read tile 0 (their rows are masked)."""
+    i0 = pid_n * (BLOCK_N // 64) + tl.arange(0, BLOCK_N // 64)
+    i0 = tl.where(i0 < N // 64, i0, 0).to(tl.int64)
+    i1 = tl.arange(0, 16)
+    i2 = tl.arange(0, 256)
+    return w_e_ptr + i0[:, None, None] * (64 * stride_wn) + i1[None, :, None] * 256 + i2[None, None, :]
+
+
+@triton.jit
+def _mma64_unswizzle(s, BLOCK_N: tl.constexpr):
+    """[BLOCK_N // 64, 16, 256] bytes as stored -> the [BLOCK_N, 64] packed tile (rows n,
+    bytes kb of one 128-block). A reshape/permute of the bit-split indices (the inverse of
+    weights.mma_layout.to_mma64): for a 16-byte vector load per thread, the register
+    layout Triton derives is the wgmma A-operand layout itself, so no shared-memory
+    shuffle is generated (ttgir: no convert_layout in the loop)."""
+    x = tl.reshape(s, (BLOCK_N // 64, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2))
+    # dims 0 n6 | 1 k5 2 n5 3 n4 4 n2 | 5 n1 6 n0 7 k2 8 k1 9 k4 10 k3 11 n3 12 k0 -> n6..n0, k5..k0
+    x = tl.permute(x, (0, 2, 3, 11, 4, 5, 6, 1, 9, 10, 7, 8, 12))
+    return tl.reshape(x, (BLOCK_N, 64))
+
+
 @triton.jit
 def _dequant_w(packed, sb4, BLOCK_N: tl.constexpr, SELECT_SUBNORMAL: tl.constexpr):
     """Packed [BLOCK_N, 64] bytes + [BLOCK_N, 4] e8m0 bytes -> fp32 (even k, odd k)
@@ -276,6 +367,7 @@ def _mxfp4_grouped_gemm_swap_kernel(
     SOFTWARE_BF16: tl.constexpr,
     SELECT_SUBNORMAL: tl.constexpr = False,
     ASM: tl.constexpr = False,
+    W_SWZ: tl.constexpr = False,   # weights in the "mma64" layout (as in _mxfp4_grouped_gemm_kernel)
 ):
     """Swapped operands: out^T[n, rows] = W[n, k] . A^T[k, rows]. The dequantised weight
     tile is the MMA's first operand (kept in registers on Hopper: no shared-memory round
@@ -302,7 +394,10 @@ def _mxfp4_grouped_gemm_swap_kernel(
     k4 = tl.arange(0, 4)
     kk = tl.arange(0, 128)
     a_ptrs = a_ptr + arow[:, None] * stride_am + kk[None, :]
-    w_ptrs = w_ptr + e * stride_we + n_safe[:, None] * stride_wn + kh[None, :]
+    if W_SWZ:
+        w_ptrs = _mma64_tile_ptrs(w_ptr + e * stride_we, pid_n, N, stride_wn, BLOCK_N)
+    else:
+        w_ptrs = w_ptr + e * stride_we + n_safe[:, None] * stride_wn + kh[None, :]
     sw_ptrs = sw_ptr + e * stride_swe + n_safe[:, None] * stride_swn + k4[None, :]
     sa_ptrs = sa_ptr + arow * stride_sam
     if SPLIT:
@@ -315,9 +410,14 @@ def _mxfp4_grouped_gemm_swap_kernel(
         a = tl.load(a_ptrs + k0, mask=(k0 + kk)[None, :] < K, other=0.0)
         a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, 64, 2)))
         kmask = (k0 // 2 + kh)[None, :] < K // 2
-        packed = tl.load(w_ptrs + k0 // 2, mask=kmask, other=0)
+        if W_SWZ:  # whole 128-blocks: only a split's tail block is masked
+            packed = _mma64_unswizzle(tl.load(w_ptrs + kb * 4096, mask=kb < K // 128, other=0), BLOCK_N)
+        else:
+            packed = tl.load(w_ptrs + k0 // 2, mask=kmask, other=0)
         sb4 = tl.load(sw_ptrs + k0 // 32, mask=(k0 // 32 + k4)[None, :] < K // 32, other=127)
-        if ASM:
+        if ASM and W_SWZ:
+            w_lo, w_hi = _dequant_w_swz_asm(packed, sb4, BLOCK_N)
+        elif ASM:
             w_lo, w_hi = _dequant_w_asm(packed, sb4, BLOCK_N)
         else:
             w_lo, w_hi = _dequant_w(packed, sb4, BLOCK_N, SELECT_SUBNORMAL)

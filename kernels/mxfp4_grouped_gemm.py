@@ -4,7 +4,9 @@
                                                  route r reads token r // k) or max_rows
                                                  (rows already in permuted order)
     sa      [M_a, ceil(K/128)]    float32        act_quant scales (powers of two)
-    w4      [E_local, N, K/2]     uint8          packed e2m1, low nibble = even k
+    w4      [E_local, N, K/2]     uint8          packed e2m1, low nibble = even k; byte order
+                                                 `layout`: "nk" (row-major, the checkpoint's)
+                                                 or "mma64" (weights/mma_layout.py)
     sw      [E_local, N, K/32]    e8m0 / uint8   weight scale per 32 along K
     align   MoeAlignment                          from `moe_align` (same block_m as config)
     out     [R, N] bf16 (scatter_out: row = route id t*k + slot; rows of non-local routes are
@@ -16,7 +18,10 @@ of 32 (I = 384 gives 12 scale groups over 3 activation blocks; no padding).
 
 Three kernel bodies (GemmConfig.kind): "tile" (rows x weights MMA), "swap" (weights x
 rows MMA, the dequantised weight as the register operand) and "gemv" (one route per
-program on the CUDA cores, for decode where most experts get one row). All follow
+program on the CUDA cores, for decode where most experts get one row). With "mma64"
+weights the tile and swap bodies load each thread's operand bytes as 16-byte vectors
+(no shared-memory byte gathers; swap SASS loop 751 -> ~510 instructions) and the swap
+body serves decode too (the GEMV reads only "nk"). All follow
 SPEC §4.3 except that the four 32-wide partials of a 128-wide activation block are
 summed before the block's `acc += part * sa` (a documented deviation, docs/DESIGN.md). `select_config(num_routes,
 num_local, n, k)` picks by the expected rows per expert (measured on the H200, see
@@ -74,7 +79,7 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.split_k={self.split_k!r}: expected an int >= 1 (1 for kind 'tile')")
 
 
-def select_config(num_routes: int, num_local: int, n: int, k: int) -> GemmConfig:
+def select_config(num_routes: int, num_local: int, n: int, k: int, layout: str = "nk") -> GemmConfig:
     """Block config for R routes over E_local experts into an N x K weight (see module doc).
 
     By the expected rows per local expert (R / E_local, uniform routing assumed); every
@@ -93,6 +98,8 @@ def select_config(num_routes: int, num_local: int, n: int, k: int) -> GemmConfig
     parallelism gains), so split_k stays 1.
     """
     rows = num_routes / max(num_local, 1)
+    if layout == "mma64":
+        return _select_mma64(rows, k)
     # NOTE (session 3, after the cheaper dequantisation PTX sped the MMA bodies up 8-14 %):
     # at T = 4 on Flash the tile body passes the GEMV (probe_mxfp4_asm.txt of session 3:
     # gate_up 143.9 -> 131.5 us, down 77.8 -> 68.2); the long-K Pro-TP8 gate_up keeps the
@@ -101,6 +108,28 @@ def select_config(num_routes: int, num_local: int, n: int, k: int) -> GemmConfig
         return gemv_config(k)
     if rows < 8:
         return GemmConfig(16, 128, 4, 3, asm=True)
+    if rows < 64:
+        return GemmConfig(32, 128, 4, 3, kind="swap", asm=True)
+    return GemmConfig(64, 128, 4, 3, asm=True)
+
+
+def _select_mma64(rows: float, k: int) -> GemmConfig:
+    """Config for "mma64" weights (the GEMV reads only "nk", so the swap body serves
+    decode). NOTE: from the H200 probe of session 4 (scripts/gpu_probe_swz.py,
+    docs/bench/2026-11-29/session4/, CUDA graphs, us, "nk" default -> "mma64" swap 16x128):
+      T=1    Flash gate_up 41.5 (gemv) -> 43.4, down 22.2 -> 21.5; Pro-TP8 gate_up
+             (K = 7168, 72 programs) 29.4 -> 44.3 unsplit, 29.8 split 8 ways (taken
+             when rows < 0.1 and K >= 6144, as the nk GEMV rule)
+      T=4    Flash gate_up 135.0 (tile) -> 109.4; Pro-TP8 gate_up 63.7 -> 64.6 (split 8)
+      T=16   Flash gate_up 423.4 -> 338.0, down 212.9 -> 170.1; Pro-TP8 161.5 -> 125.8
+      T=64   Flash gate_up 1024.2 -> 818.3; Pro-TP8 gate_up 442.4 -> 341.7
+      T=1024 (32 x 128) Flash gate_up 1785 -> 1469, Pro-TP8 down 572 -> 482
+      T=4096 (tile 64 x 128) Flash gate_up 4155 -> 4352, down 1822 -> 2118: the tile
+             body's shared-memory store of the dequantised tile is slower from this
+             layout (3-14 % on the four GEMMs); kept, the decode gains are larger."""
+    if rows < 8:
+        split = 8 if rows < 0.1 and k >= 6144 else 1
+        return GemmConfig(16, 128, 4, 4, kind="swap", asm=True, split_k=split)
     if rows < 64:
         return GemmConfig(32, 128, 4, 3, kind="swap", asm=True)
     return GemmConfig(64, 128, 4, 3, asm=True)
@@ -123,7 +152,8 @@ def _fail(name: str, t, expected: str) -> None:
 
 def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: torch.Tensor,
                        align: MoeAlignment, *, gather_a: bool, scatter_out: bool,
-                       out: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None, config: GemmConfig | None = None,
+                       layout: str = "nk") -> torch.Tensor:
     """Grouped W4A8 GEMM over the blocks of `align`; see the module docstring for layouts."""
     if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.dtype != torch.float8_e4m3fn:
         _fail("q", q, "[M, K] float8_e4m3fn")
@@ -147,6 +177,17 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
     cfg = config or GemmConfig(block_m=align.block_m)
     if cfg.block_m != align.block_m:
         raise ValueError(f"config.block_m={cfg.block_m} differs from the alignment's block_m={align.block_m}")
+    if layout not in ("nk", "mma64"):
+        raise ValueError(f"layout={layout!r}: expected 'nk' or 'mma64'")
+    if layout == "mma64":
+        from dsv4_moe.weights.mma_layout import mma64_supported  # noqa: PLC0415
+
+        ok, why = mma64_supported(n, k)
+        if not ok:
+            raise ValueError(f"w4: layout 'mma64' needs whole 64 x 128 tiles: {why}")
+        if cfg.kind == "gemv" or cfg.block_n % 64 or not cfg.scale_bcast:
+            raise ValueError(f"config={cfg!r}: layout 'mma64' needs kind 'tile' or 'swap', block_n a "
+                             f"multiple of 64 and scale_bcast")
     out_rows = align.num_routes if scatter_out else align.max_rows
     if out is None:
         out = torch.empty((out_rows, n), dtype=torch.bfloat16, device=q.device)
@@ -166,8 +207,9 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
     sa = sa.contiguous()
     w4 = w4.contiguous()
     sw = sw.contiguous().view(torch.uint8)
+    swz = layout == "mma64"
     if cfg.kind != "tile":
-        return _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg)
+        return _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz)
     grid = (align.max_blocks, triton.cdiv(n, cfg.block_n))
     _mxfp4_grouped_gemm_kernel[grid](
         q, sa, w4, sw, out,
@@ -179,13 +221,13 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         SOFTWARE_BF16=interpreting(),
         A_SPLIT=cfg.a_split, W_KN=cfg.w_kn, SCALE_BCAST=cfg.scale_bcast, DIAG=cfg.diag,
-        ASM=cfg.asm and cfg.scale_bcast and not interpreting(),
+        ASM=cfg.asm and cfg.scale_bcast and not interpreting(), W_SWZ=swz,
         num_warps=cfg.num_warps,
     )
     return out
 
 
-def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg):
+def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz):
     """The "swap" and "gemv" bodies, optionally split over K with an ordered reduction."""
     import triton  # noqa: PLC0415
 
@@ -207,7 +249,7 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg):
                   ASM=cfg.asm and not interpreting(),
                   num_warps=cfg.num_warps)
     if cfg.kind == "swap":
-        _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, **common)
+        _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, W_SWZ=swz, **common)
     else:
         _mxfp4_gemv_kernel[grid](*args, UNROLL=cfg.unroll, **common)
     if split:

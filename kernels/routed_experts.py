@@ -45,8 +45,8 @@ def _interpreting() -> bool:
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
     """(gate_up config, down config); both share BLOCK_M because they share one alignment."""
     i, h = routed.intermediate, routed.hidden
-    up = select_config(num_routes, routed.num_local, 2 * i, h)
-    down = select_config(num_routes, routed.num_local, h, i)
+    up = select_config(num_routes, routed.num_local, 2 * i, h, routed.layout)
+    down = select_config(num_routes, routed.num_local, h, i, routed.layout)
     if up.kind == "gemv" and down.kind != "gemv":  # e.g. Pro-TP8 T=4: long-K gate_up keeps the GEMV
         down = gemv_config(i)
     if down.block_m != up.block_m:
@@ -90,7 +90,7 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
     from .swiglu_quant import swiglu_quant, swiglu_quant_unfused  # SPEC §5.1
 
     gu = mxfp4_grouped_gemm(q, sa, routed.gate_up, routed.gate_up_scale, align,
-                            gather_a=True, scatter_out=False, config=cfg_up)
+                            gather_a=True, scatter_out=False, config=cfg_up, layout=routed.layout)
     # NOTE: the persistent strategy loops to a runtime bound, which the Triton interpreter
     # (numpy 2) cannot run; under TRITON_INTERPRET use the one-program-per-group strategy
     # (same numerics: both are bitwise the reference swiglu_quant).
@@ -102,5 +102,5 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
         hq, hs = swiglu_quant_unfused(gu, limit=float(limit), route_weight=align.row_weight,
                                       expert_ids=align.row_expert)
     mxfp4_grouped_gemm(hq, hs, routed.down, routed.down_scale, align,
-                       gather_a=False, scatter_out=True, out=y, config=cfg_down)
+                       gather_a=False, scatter_out=True, out=y, config=cfg_down, layout=routed.layout)
     return (y.view(t, k, h), align) if return_alignment else y.view(t, k, h)

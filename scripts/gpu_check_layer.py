@@ -38,8 +38,8 @@ def _bytes_equal(a, b) -> bool:
     return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-def check_layer(name, cfg, weights, rows, tokens, ref_tokens, graph_tokens):
-    layer = DeepseekV4MoE(cfg, weights)
+def check_layer(name, cfg, weights, rows, tokens, ref_tokens, graph_tokens, routed_layout="auto"):
+    layer = DeepseekV4MoE(cfg, weights, routed_layout=routed_layout)
     dev = layer.device
     weights_cpu = None
     rows.append({"case": name, "check": "plan", "T": 16, "ok": True, "detail": layer.explain(16)})
@@ -131,12 +131,16 @@ def main(argv=None) -> int:
     # Pro at TP8 is run as the per-rank layer (I = 384) on its own: one GPU holds one rank,
     # and the cross-rank reduce is torch.distributed's (tested on CPU with gloo).
     pro_rank = MoEConfig.pro().replace(moe_intermediate_size=384, name="pro-tp8-rank")
-    cases = [("flash", MoEConfig.flash(), {}), ("pro-tp8", pro_rank, {})]
-    for name, cfg, kw in cases:
+    # "auto" takes the "mma64" routed layout on CUDA; "flash-nk" keeps the checkpoint's
+    # byte order (the GEMV / tile bodies of the fallback) at a few sizes.
+    cases = [("flash", MoEConfig.flash(), "auto", tokens, [1, 4, 16, 256]),
+             ("pro-tp8", pro_rank, "auto", tokens, [1, 4, 16, 256]),
+             ("flash-nk", MoEConfig.flash(), "nk", [1, 16, 256], [1, 16])]
+    for name, cfg, layout, toks, graph_toks in cases:
         t0 = time.time()
-        w = random_layer_weights(cfg, layer_idx=5, seed=0, device=dev, **kw)
+        w = random_layer_weights(cfg, layer_idx=5, seed=0, device=dev)
         print(f"{name}: synthetic weights in {time.time() - t0:.1f}s", flush=True)
-        check_layer(name, cfg, w, rows, tokens, ref_tokens=[1, 4, 16], graph_tokens=[1, 4, 16, 256])
+        check_layer(name, cfg, w, rows, toks, ref_tokens=[1, 4, 16], graph_tokens=graph_toks, routed_layout=layout)
         del w
         torch.cuda.empty_cache()
     if not args.no_checkpoint:

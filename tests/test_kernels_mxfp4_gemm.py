@@ -220,3 +220,154 @@ def test_other_bodies_vs_reference(kind, bm, split, unroll):
         one = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False,
                                  config=GemmConfig(bm, 64, 4, 2, kind=kind, split_k=1, unroll=unroll))
         assert torch.equal(out[rows].view(torch.int16), one[rows].view(torch.int16))
+
+
+# ---------------------------------------------------------------- "mma64" weight layout
+def _run_ptx(src: str, regs: dict) -> dict:
+    """A tiny interpreter for the straight-line b32 PTX of the dequantisation asm blocks
+    (prmt, shl, shr, and, or, mul.rn.bf16x2). mul.rn.bf16x2 is IEEE per half (bf16 inputs,
+    subnormals kept, RNE); every product here is exact, so float64 then bf16 is exact."""
+    import re
+    import struct
+
+    def val(tok):
+        tok = tok.strip()
+        if tok in regs:
+            return regs[tok]
+        return int(tok, 16) if tok.lower().startswith("0x") else int(tok)
+
+    def bf16(h):
+        return struct.unpack("<f", struct.pack("<I", (h & 0xFFFF) << 16))[0]
+
+    def to_bf16(x):
+        return int(torch.tensor([x], dtype=torch.float32).to(torch.bfloat16).view(torch.int16).item()) & 0xFFFF
+
+    m32 = 0xFFFFFFFF
+    for line in src.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}." or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        args = [a.strip() for a in rest.split(",")]
+        d, srcs = args[0], [val(a) for a in args[1:]]
+        if op == "prmt.b32":
+            a, b, sel = srcs
+            by = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+            assert all(((sel >> 4 * i) & 0x8) == 0 for i in range(4)), "sign-replicate mode not modelled"
+            r = sum(by[(sel >> 4 * i) & 7] << 8 * i for i in range(4))
+        elif op == "shl.b32":
+            r = (srcs[0] << srcs[1]) & m32
+        elif op == "shr.b32":
+            r = srcs[0] >> srcs[1]
+        elif op == "and.b32":
+            r = srcs[0] & srcs[1]
+        elif op == "or.b32":
+            r = srcs[0] | srcs[1]
+        elif op == "mul.rn.bf16x2":
+            a, b = srcs
+            r = to_bf16(bf16(a) * bf16(b)) | (to_bf16(bf16(a >> 16) * bf16(b >> 16)) << 16)
+        else:
+            raise AssertionError(f"op {op} not modelled")
+        assert re.fullmatch(r"\$\d+|\w+", d), d
+        regs[d] = r & m32
+    return regs
+
+
+@pytest.mark.parametrize("which", ["_E2M1X4_TO_BF16_ASM", "_E2M1X4_TO_BF16_SWZ_ASM"])
+def test_swz_dequant_ptx_emulated_bitwise(which):
+    """Both dequantisation PTX blocks, run by the interpreter above for every byte value
+    (both nibbles) and scale bytes 0, 1, 100, 127, 128 - four different scales per pack -
+    against e2m1 * 2^(s - 127) rounded to bf16 (exact): the same bits, -0.0 included."""
+    from dsv4_moe.kernels import _mxfp4_grouped_gemm as body
+    from dsv4_moe.weights.formats import e2m1_codes_to_float
+
+    src = getattr(body, which).value
+    scale_sets = [(0, 1, 100, 127), (128, 127, 1, 0), (100, 100, 128, 128)]
+    for sc in scale_sets:
+        sw = [(((s + 126) << 7) * 0x10001) & 0xFFFFFFFF for s in sc]
+        for b0 in range(256):
+            pack = [b0, (b0 * 37 + 11) & 255, (b0 * 91 + 3) & 255, 255 - b0]
+            regs = {"$4": pack[0] | pack[1] << 8 | pack[2] << 16 | pack[3] << 24,
+                    "$5": sw[0], "$6": sw[1], "$7": sw[2], "$8": sw[3]}
+            out = _run_ptx(src, regs)
+            for i, byte in enumerate(pack):
+                for nib, reg in ((byte & 0xF, 0), (byte >> 4, 2)):
+                    want = (e2m1_codes_to_float(torch.tensor([nib], dtype=torch.uint8)).double()
+                            * 2.0 ** (sc[i] - 127)).float().bfloat16().view(torch.int16).item() & 0xFFFF
+                    word = out[f"${reg + i // 2}"]
+                    got = (word >> (16 * (i % 2))) & 0xFFFF
+                    assert got == want, (which, sc, hex(byte), nib, i, hex(got), hex(want))
+
+
+def _mma64_case(seed, n=192, h=256, e=6, t=5, k=3):
+    g = torch.Generator().manual_seed(seed)
+    w, s = _weights(e, n, h, g)
+    q, sa = ref.act_quant(torch.randn(t, h, generator=g).bfloat16() * 3)
+    ids = _ids(t, k, e + 2, g)
+    ids[0, 0] = e + 1                    # a route to another rank's expert: never written
+    return w, s, q, sa, ids.sort(1).values
+
+
+@pytest.mark.parametrize("kind,bm,bn,split", [("swap", 16, 128, 1), ("swap", 16, 64, 2), ("swap", 32, 128, 1),
+                                             ("tile", 16, 128, 1), ("tile", 32, 64, 1)],
+                         ids=["swap16x128", "swap16x64-splitk", "swap32x128", "tile16x128", "tile32x64"])
+def test_mma64_bodies_bitwise_nk(kind, bm, bn, split):
+    """The "mma64" bodies read the permuted bytes into the same tiles: bitwise the "nk"
+    body with the same config, gate_up (gathered) and down (K = 384, scattered); N = 192
+    leaves a half tile for BLOCK_N = 128. Also within the reference bound."""
+    from dsv4_moe.weights.mma_layout import to_mma64
+
+    w, s, q, sa, ids = _mma64_case(3)
+    e, (t, k) = w.shape[0], ids.shape
+    a = moe_align(ids.int(), e, 0, bm)
+    cfg = GemmConfig(bm, bn, 4, 2, kind=kind, split_k=split)
+    out_nk = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=cfg)
+    out_z = mxfp4_grouped_gemm(q, sa, to_mma64(w), s, a, gather_a=True, scatter_out=False, config=cfg,
+                               layout="mma64")
+    local = ids.flatten() < e
+    rows = a.route_rows.long()[local]
+    assert torch.equal(out_z[rows].view(torch.int16), out_nk[rows].view(torch.int16))
+    exp = torch.cat([ref.fp4_gemm(q[r // k:r // k + 1], sa[r // k:r // k + 1], w[ei], s[ei])
+                     for r, ei in zip(torch.nonzero(local).flatten().tolist(), ids.flatten()[local].tolist())])
+    _assert_close(out_z[rows], exp, f"mma64 {kind} gate_up")
+    g = torch.Generator().manual_seed(9)
+    wd, sd = _weights(e, 128, 384, g)
+    hq, hs = ref.act_quant(torch.randn(a.max_rows, 384, generator=g).bfloat16())
+    sentinel = torch.full((t * k, 128), 7.0, dtype=torch.bfloat16)
+    y_nk = mxfp4_grouped_gemm(hq, hs, wd, sd, a, gather_a=False, scatter_out=True, out=sentinel.clone(), config=cfg)
+    y_z = mxfp4_grouped_gemm(hq, hs, to_mma64(wd), sd, a, gather_a=False, scatter_out=True, out=sentinel.clone(),
+                             config=cfg, layout="mma64")
+    assert torch.equal(y_z.view(torch.int16), y_nk.view(torch.int16))
+    assert torch.equal(y_z[~local], sentinel[~local]), "non-local slots must not be written"
+
+
+def test_mma64_guards_and_select_config():
+    from dsv4_moe.kernels.routed_experts import routed_configs
+    from dsv4_moe.weights.mma_layout import to_mma64
+
+    w, s, q, sa, ids = _mma64_case(4, n=128)
+    a1 = moe_align(ids.int(), w.shape[0], 0, 1)
+    with pytest.raises(ValueError, match="layout 'mma64' needs kind"):
+        mxfp4_grouped_gemm(q, sa, to_mma64(w), s, a1, gather_a=True, scatter_out=False,
+                           config=GemmConfig(1, 64, kind="gemv"), layout="mma64")
+    a = moe_align(ids.int(), w.shape[0], 0, 16)
+    with pytest.raises(ValueError, match="layout='tiles'"):
+        mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=GemmConfig(16, 64), layout="tiles")
+    w96, s96 = _weights(2, 96, 256, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="N=96"):
+        mxfp4_grouped_gemm(q, sa, w96, s96, moe_align(torch.zeros(5, 3, dtype=torch.int32), 2, 0, 16),
+                           gather_a=True, scatter_out=False, config=GemmConfig(16, 64), layout="mma64")
+    # decode: the swap body (the GEMV reads only "nk"); long K at tiny T splits 8 ways
+    c = select_config(6, 256, 4096, 4096, "mma64")
+    assert (c.kind, c.block_m, c.split_k) == ("swap", 16, 1)
+    assert select_config(6, 384, 768, 7168, "mma64").split_k == 8
+    assert select_config(1024 * 6, 256, 4096, 4096, "mma64").block_m == 32
+    assert select_config(4096 * 6, 256, 4096, 4096, "mma64").kind == "tile"
+
+    def shape(*sz):
+        return torch.zeros(1, 1, 1, dtype=torch.uint8).expand(*sz)
+    pro_tp8 = RoutedExpertWeights(shape(384, 768, 3584), shape(384, 768, 224), shape(384, 7168, 192),
+                                  shape(384, 7168, 12), first_expert=0, num_experts=384, layout="mma64")
+    for t in (1, 2, 4, 16, 256, 1024, 4096):
+        up, down = routed_configs(t * 6, pro_tp8)
+        assert up.block_m == down.block_m and up.kind != "gemv" and down.kind != "gemv", (t, up, down)

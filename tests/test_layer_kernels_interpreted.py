@@ -23,11 +23,12 @@ def kernels_on_cpu(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("li", [0, 1], ids=["hash_layer", "topk_layer"])
-def test_layer_kernel_paths(kernels_on_cpu, li):
+@pytest.mark.parametrize("li,layout", [(0, "auto"), (1, "auto"), (1, "mma64")],
+                         ids=["hash_layer", "topk_layer", "topk_layer_mma64"])
+def test_layer_kernel_paths(kernels_on_cpu, li, layout):
     dev = kernels_on_cpu
     w = random_layer_weights(CFG, layer_idx=li, seed=3 + li, device=dev)
-    layer = DeepseekV4MoE(CFG, w)
+    layer = DeepseekV4MoE(CFG, w, routed_layout=layout)
     g = torch.Generator().manual_seed(li)
     x = (torch.randn(5, CFG.hidden_size, generator=g) * 4).to(torch.bfloat16).to(dev)
     ids = torch.randint(0, CFG.vocab_size, (5,), generator=g).to(dev)

@@ -109,6 +109,9 @@ def place_expert(routed: RoutedExpertWeights, local: int, t: Mapping[str, torch.
         t["w2.weight"]                  [H, I/2]   int8|uint8              -> down[local]
         t["w2.scale"]                   [H, I/32]  float8_e8m0fnu          -> down_scale[local]
     """
+    if routed.layout != "nk":
+        raise ValueError(f"place_expert: routed.layout={routed.layout!r}: checkpoint bytes go into 'nk' "
+                         f"weights (convert after loading with with_layout)")
     if not 0 <= local < routed.num_local:
         raise ValueError(f"place_expert: local={local}: expected an int in [0, {routed.num_local})")
     i = routed.intermediate

@@ -12,6 +12,11 @@ choices (the only ones made at load time, by pure functions in `weights.prepare`
 * e8m0 scales keep dtype torch.float8_e8m0fnu (view as uint8 for kernels); MXFP4 codes
   are torch.uint8, two e2m1 per byte, low nibble = even k. Nothing is dequantised or
   padded: I=384 stays 384.
+* `RoutedExpertWeights.layout` names the byte order of the packed codes: "nk" (the
+  checkpoint's, row-major) or "mma64" (the same bytes permuted per 64 x 128 tile for the
+  Hopper kernels, weights/mma_layout.py). Shapes and dtypes are the same in both;
+  `with_layout` converts (a pure permutation), and everything that reads values
+  (the reference, the writer) asks for "nk".
 
 Shapes (H hidden, I the per-rank intermediate, E_local the experts this rank holds):
 
@@ -87,6 +92,24 @@ class RoutedExpertWeights:
     down_scale: torch.Tensor
     first_expert: int = 0
     num_experts: int = 0  # global expert count E (routes index 0..E-1)
+    layout: str = "nk"    # byte order of gate_up / down: "nk" or "mma64" (weights/mma_layout.py)
+
+    def __post_init__(self) -> None:
+        from .mma_layout import LAYOUTS  # noqa: PLC0415
+
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"RoutedExpertWeights.layout={self.layout!r}: expected one of {LAYOUTS}")
+
+    def with_layout(self, layout: str) -> "RoutedExpertWeights":
+        """The same experts with gate_up and down in byte order `layout` (self when it
+        already is; otherwise new tensors, scales shared)."""
+        from .mma_layout import convert_layout  # noqa: PLC0415
+
+        if layout == self.layout:
+            return self
+        return RoutedExpertWeights(convert_layout(self.gate_up, self.layout, layout), self.gate_up_scale,
+                                   convert_layout(self.down, self.layout, layout), self.down_scale,
+                                   self.first_expert, self.num_experts, layout)
 
     @property
     def num_local(self) -> int:

@@ -209,7 +209,7 @@ def exact_output(scope: str, weights, config, s: StageSet) -> Optional[torch.Ten
         sh = weights.shared
         return expert(x, dequant_fp8_block(sh.gate_up, sh.gate_up_scale), dequant_fp8_block(sh.down, sh.down_scale))
     if scope == "routed":
-        r = weights.routed
+        r = weights.routed.with_layout("nk")  # values are read: the checkpoint byte order
         out = torch.zeros_like(x)
         for e in torch.unique(s.topk_ids).tolist():
             if not r.first_expert <= e < r.first_expert + r.num_local:

@@ -95,7 +95,14 @@ def run(b, cfg, w, w_ep_size, tokens, parts, paths, stage_list, peer_names) -> N
     t1 = layer_work(dims, 1, unique_experts=min(k, rt.num_local), local_routes=k * rt.num_local / dims.num_experts)
     small_w = t1["shared"].bytes + t1["router"].bytes
     nw = args.weight_sets or (min(4, max(1, math.ceil(2 * _L2_BYTES / small_w))) if dev == "cuda" else 1)
-    wcopies = weight_copies(w, nw)
+    # this package's layers and stages get the routed byte order the layer picks on this
+    # device ("mma64" on CUDA, converted once here, not per layer); peers keep `w` ("nk")
+    from dsv4_moe.layers import choose_routed_layout  # noqa: PLC0415
+
+    layout, why = choose_routed_layout(w.routed)
+    w_ours = dataclasses.replace(w, routed=w.routed.with_layout(layout))
+    b.notes.append(f"routed weights of this package in layout {layout!r} ({why}); peers read the checkpoint's")
+    wcopies = weight_copies(w_ours, nw)
     b.notes.append(
         f"rotated per call: x{' + input_ids' if w.router.is_hash else ''} over n_sets input sets (per row in the "
         f"JSON; routing follows the set, so routed-expert reads rotate); {nw} copies of router + shared weights "

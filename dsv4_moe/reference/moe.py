@@ -63,6 +63,7 @@ def routed_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torch.Tensor
     """
     t, k = topk_ids.shape
     h = routed.hidden
+    routed = routed.with_layout("nk")  # the checkpoint byte order (a no-op unless "mma64")
     y = torch.zeros(t, k, h, dtype=torch.bfloat16, device=q.device)
     for e_local in range(routed.num_local):
         e = routed.first_expert + e_local

@@ -1,0 +1,165 @@
+"""H200 probe: the "mma64" MXFP4 weight layout (weights/mma_layout.py) against "nk".
+
+    OUT=./out python3 scripts/gpu_probe_swz.py [--ts 1,4,16,64,256,1024,4096] [--budget-s 300]
+
+For Flash / Pro-TP8 gate_up (gathered rows) and down (permuted rows, scattered), top-6
+routes of random tokens: times under CUDA-graph replay the "nk" default
+(select_config(..., "nk")), the "mma64" default and mma64 variants; checks bitwise:
+  * mma64 swap/tile == nk swap/tile with the same config (same MMA, same k order),
+  * the mma64 dequantisation PTX == the plain fp32 construction (asm off),
+and reports the share of outputs that differ from the nk default (other bodies sum a
+128-block in another order). Writes $OUT/probe_swz.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from dsv4_moe.kernels.act_quant import act_quant
+from dsv4_moe.kernels.moe_align import moe_align
+from dsv4_moe.kernels.mxfp4_grouped_gemm import GemmConfig, mxfp4_grouped_gemm, select_config
+from dsv4_moe.testing import random_mxfp4_weight
+from dsv4_moe.weights.mma_layout import to_mma64
+
+DEV = torch.device("cuda")
+
+
+def graph_time(fn, reps=15, inner=5):
+    fn()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(inner):
+            fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / inner)
+    return sorted(times)[len(times) // 2]
+
+
+def ulp_stats(a, b):
+    d = (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+    return float((d != 0).float().mean()), int(d.max()) if d.numel() else 0
+
+
+def label(cfg, layout):
+    return (f"{layout:5s} {cfg.kind}{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+            f" sk{cfg.split_k} asm{int(cfg.asm)}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budget-s", type=float, default=300)
+    ap.add_argument("--ts", default="1,4,16,64,256,1024,4096")
+    args = ap.parse_args()
+    out_dir = os.environ.get("OUT", "./out")
+    os.makedirs(out_dir, exist_ok=True)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    t0 = time.time()
+    shapes = (("flash_up", 4096, 4096, 256, True), ("flash_down", 4096, 2048, 256, False),
+              ("pro_up", 768, 7168, 384, True), ("pro_down", 7168, 384, 384, False))
+    gcuda = torch.Generator(device=DEV).manual_seed(0)
+    weights = {}
+    for name, n, k, e, _ in shapes:
+        w, s = random_mxfp4_weight((e, n, k), generator=gcuda)
+        weights[name] = {"nk": w, "mma64": to_mma64(w), "scale": s}
+    for t in [int(x) for x in args.ts.split(",")]:
+        for name, n, k, e, gather in shapes:
+            if time.time() - t0 > args.budget_s:
+                print("budget reached", flush=True)
+                break
+            ws = weights[name]
+            ids = torch.stack([torch.randperm(e, generator=gen)[:6] for _ in range(t)]).sort(1).values.int().to(DEV)
+            hit = torch.unique(ids).numel()
+            wbytes = hit * n * k * 17 // 32
+            torch.manual_seed(t * 7 + n)
+            xs = torch.randn(t if gather else t * 6, k, device=DEV).bfloat16()
+            qx, sx = act_quant(xs)
+
+            def run(cfg, layout):
+                a = moe_align(ids, e, 0, cfg.block_m)
+                if gather:
+                    q, sa = qx, sx
+                else:
+                    rid = a.sorted_route_ids.long().clamp(max=t * 6 - 1)
+                    q, sa = qx[rid].contiguous(), sx[rid].contiguous()
+                o = torch.zeros(a.max_rows if gather else t * 6, n, dtype=torch.bfloat16, device=DEV)
+                fn = lambda: mxfp4_grouped_gemm(q, sa, ws[layout], ws["scale"], a, gather_a=gather,  # noqa: E731
+                                                scatter_out=not gather, out=o, config=cfg, layout=layout)
+                fn()
+                torch.cuda.synchronize()
+                res = (o[a.route_rows.long()] if gather else o).clone()
+                return res, graph_time(fn)
+
+            rows_per = t * 6 / e
+            base_cfg = select_config(t * 6, e, n, k, "nk")
+            new_cfg = select_config(t * 6, e, n, k, "mma64")
+            cands = [(base_cfg, "nk"), (new_cfg, "mma64")]
+            if rows_per < 8:
+                cands += [(GemmConfig(16, 128, 4, 4, kind="swap", asm=True), "nk"),
+                          (GemmConfig(16, 128, 4, 4, kind="swap"), "mma64"),
+                          (GemmConfig(16, 128, 4, 3, kind="swap", asm=True), "mma64"),
+                          (GemmConfig(16, 64, 4, 4, kind="swap", asm=True), "mma64"),
+                          (GemmConfig(16, 128, 4, 3, asm=True), "mma64")]
+                if rows_per < 0.2:
+                    for sk in (2, 4, 8):
+                        cands.append((GemmConfig(16, 128, 4, 4, kind="swap", asm=True, split_k=sk), "mma64"))
+            elif rows_per < 64:
+                cands += [(GemmConfig(32, 128, 4, 3, kind="swap", asm=True), "nk"),
+                          (GemmConfig(32, 128, 4, 3, kind="swap"), "mma64"),
+                          (GemmConfig(32, 128, 4, 4, kind="swap", asm=True), "mma64")]
+            else:
+                cands += [(GemmConfig(64, 128, 4, 3, asm=True), "nk"), (GemmConfig(64, 128, 4, 3), "mma64"),
+                          (GemmConfig(128, 128, 8, 3, asm=True), "mma64"),
+                          (GemmConfig(32, 128, 4, 3, kind="swap", asm=True), "mma64")]
+            results = {}
+            base_res = base_us = None
+            for cfg, layout in cands:
+                key = (cfg, layout)
+                if key in results:
+                    continue
+                try:
+                    res, us = run(cfg, layout)
+                except Exception as ex:  # noqa: BLE001
+                    msg = f"{type(ex).__name__}: {ex}"[:300]
+                    rows.append(dict(shape=name, T=t, cfg=repr(cfg), layout=layout, error=msg))
+                    print(f"{name:10s} T={t:5d} {label(cfg, layout)} ERROR {msg[:200]}", flush=True)
+                    continue
+                results[key] = res
+                if base_res is None:
+                    base_res, base_us = res, us
+                fb, mb = ulp_stats(res, base_res)
+                # bitwise twins: the same config in the other layout, and asm on/off
+                twin = None
+                other = (cfg, "nk") if layout == "mma64" else None
+                plain = (GemmConfig(**{**cfg.__dict__, "asm": not cfg.asm}), layout)
+                checks = {}
+                for tag, k2 in (("vs_nk_same_cfg", other), ("asm_vs_plain", plain)):
+                    if k2 is not None and k2 in results and k2 != key:
+                        checks[tag] = bool(torch.equal(res.view(torch.int16), results[k2].view(torch.int16)))
+                rows.append(dict(shape=name, T=t, cfg=repr(cfg), layout=layout, us=us, TBps=wbytes / us / 1e6,
+                                 speedup_vs_nk_default=base_us / us, differ_vs_nk_default=fb, max_ulp=mb,
+                                 default=key in ((base_cfg, "nk"), (new_cfg, "mma64")), **checks))
+                print(f"{name:10s} T={t:5d} {label(cfg, layout):38s} {us:8.1f} us {wbytes / us / 1e6:5.2f} TB/s "
+                      f"x{base_us / us:4.2f} differ {fb:.4%} max {mb} {checks}"
+                      f"{' <- default' if key in ((base_cfg, 'nk'), (new_cfg, 'mma64')) else ''}", flush=True)
+    with open(os.path.join(out_dir, "probe_swz.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
