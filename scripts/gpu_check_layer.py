@@ -53,6 +53,13 @@ def check_layer(name, cfg, weights, rows, tokens, ref_tokens, graph_tokens, rout
         ok = _bytes_equal(fused, unfused)
         n = int((fused.view(torch.int16) != unfused.view(torch.int16)).sum())
         rows.append({"case": name, "check": "fused==unfused", "T": t, "ok": ok, "detail": f"{n} differ"})
+        if t in graph_tokens[:2]:  # the shared expert on a side stream vs in line: same bits
+            layer.overlap_shared = False
+            with torch.no_grad():
+                inline = layer(x, ids)
+            layer.overlap_shared = True
+            rows.append({"case": name, "check": "overlap==in line", "T": t, "ok": _bytes_equal(fused, inline),
+                         "detail": "shared expert on a side stream vs the main stream"})
         if t in ref_tokens:
             t0 = time.time()
             if weights_cpu is None:

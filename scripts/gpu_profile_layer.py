@@ -1,0 +1,109 @@
+"""Where the time of one DeepseekV4MoE forward goes at decode (H200 tool).
+
+    OUT=./out python3 scripts/gpu_profile_layer.py [--tokens 1,4,16] [--presets flash,pro-tp8]
+
+Per preset and T: the CUDA-graph replay time of the layer with the shared expert in line
+and overlapped on a side stream (median of 50 replays of 10 forwards), and a per-kernel
+table (torch.profiler over 20 eager forwards: calls, mean device time) so the kernel sum
+can be set against the graph time (the difference is launch gaps and serialisation).
+Writes $OUT/profile_layer.txt and .json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections import defaultdict
+
+import torch
+
+from dsv4_moe import DeepseekV4MoE, MoEConfig
+from dsv4_moe.testing import random_layer_weights
+
+
+def graph_us(layer, x, ids, inner=10, reps=50):
+    with torch.no_grad():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                layer(x, ids)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(inner):
+                layer(x, ids)
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1000 / inner)
+    return sorted(ts)[len(ts) // 2]
+
+
+def kernel_table(layer, x, ids, n=20):
+    from torch.profiler import ProfilerActivity, profile
+    with torch.no_grad():
+        for _ in range(3):
+            layer(x, ids)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                layer(x, ids)
+            torch.cuda.synchronize()
+    acc = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            k = ev.name[:60]
+            acc[k][0] += 1
+            acc[k][1] += ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
+    return sorted(((k, c / n, us / n) for k, (c, us) in acc.items()), key=lambda r: -r[2])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="1,4,16")
+    ap.add_argument("--presets", default="flash,pro-tp8")
+    args = ap.parse_args()
+    out = os.environ.get("OUT", "./out")
+    os.makedirs(out, exist_ok=True)
+    lines, rows = [], []
+    cfgs = {"flash": MoEConfig.flash(),
+            "pro-tp8": MoEConfig.pro().replace(moe_intermediate_size=384, name="pro-tp8-rank")}
+    for name in args.presets.split(","):
+        cfg = cfgs[name]
+        w = random_layer_weights(cfg, layer_idx=5, seed=0, device="cuda")
+        layer = DeepseekV4MoE(cfg, w)
+        del w
+        for t in [int(v) for v in args.tokens.split(",")]:
+            g = torch.Generator(device="cuda").manual_seed(t)
+            x = torch.randn(t, cfg.hidden_size, device="cuda", generator=g).bfloat16()
+            ids = torch.randint(0, cfg.vocab_size, (t,), device="cuda", generator=g)
+            res = {}
+            for ov in (False, True):
+                layer.overlap_shared = ov
+                res[ov] = graph_us(layer, x, ids)
+            layer.overlap_shared = False
+            table = kernel_table(layer, x, ids)
+            layer.overlap_shared = True
+            ksum = sum(r[2] for r in table)
+            lines.append(f"== {name} T={t}: graph in line {res[False]:.1f} us, overlapped {res[True]:.1f} us; "
+                         f"kernel sum (in line, eager) {ksum:.1f} us over {sum(r[1] for r in table):.0f} launches")
+            for k, c, us in table:
+                lines.append(f"   {us:8.2f} us  x{c:4.1f}  {k}")
+            rows.append(dict(preset=name, T=t, graph_inline_us=res[False], graph_overlap_us=res[True],
+                             kernel_sum_us=ksum, kernels=table))
+            print("\n".join(lines[-len(table) - 1:]), flush=True)
+    with open(os.path.join(out, "profile_layer.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(out, "profile_layer.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
