@@ -529,7 +529,10 @@ def _split_k_reduce_kernel(ws_ptr, out_ptr, route_rows_ptr, R, N, stride_om,
     r64 = tl.where(row >= 0, r, 0).to(tl.int64)
     ptrs = ws_ptr + r64[:, None] * N + n[None, :]
     acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
-    for kb in tl.range(0, KB):
+    # NOTE: unrolled (KB is a model constant, <= 56): the KB loads are independent and issue
+    # together; the adds stay in block order. The rolled loop was latency-bound: 12.95 us
+    # for Pro-TP8 gate_up at T=1 (56 blocks x 6 routes x 768; H200 profile, session 4).
+    for kb in tl.static_range(KB):
         acc += tl.load(ptrs + kb * R * N, mask=ok, other=0.0)
     if OUT_SCATTER:
         dest = r64

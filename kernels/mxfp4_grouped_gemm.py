@@ -253,8 +253,10 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
     else:
         _mxfp4_gemv_kernel[grid](*args, UNROLL=cfg.unroll, **common)
     if split:
-        br, bn = 4, 256
+        # one route x 128 columns per program (16-byte loads, 1 warp): at decode (6 routes)
+        # the 4 x 256 tiles gave 6-18 programs for the whole reduction
+        br, bn = 1, 128
         _split_k_reduce_kernel[(triton.cdiv(r, br), triton.cdiv(n, bn))](
             ws, out, align.route_rows, r, n, out.stride(0), KB=kb, OUT_SCATTER=scatter_out,
-            BLOCK_R=br, BLOCK_N=bn, SOFTWARE_BF16=interpreting(), num_warps=4)
+            BLOCK_R=br, BLOCK_N=bn, SOFTWARE_BF16=interpreting(), num_warps=1)
     return out

@@ -59,7 +59,7 @@ def kernel_table(layer, x, ids, n=20):
     acc = defaultdict(lambda: [0, 0.0])
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            k = ev.name[:60]
+            k = ev.name[:110]
             acc[k][0] += 1
             acc[k][1] += ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
     return sorted(((k, c / n, us / n) for k, (c, us) in acc.items()), key=lambda r: -r[2])

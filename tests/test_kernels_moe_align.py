@@ -58,6 +58,13 @@ def test_invariants(t, k, e, bm):
     _check(ids, e, 0, bm, tw)
 
 
+def test_multi_step_scan_carries_offsets():
+    # 700 tokens x 6 = 4200 routes = 66 chunks, 130 local experts (E_PAD 256): the scan
+    # takes 32 experts per step (4096 / C_PAD 128) and carries the offsets over 8 steps
+    ids = _ids(700, 6, 130, 5)
+    _check(ids, 130, 0, 16, torch.rand(700, 6))
+
+
 def test_routes_to_other_ranks_skipped():
     ids = _ids(40, 6, 32, 1)
     a = _check(ids, 8, 8, 16)  # this rank owns experts 8..15

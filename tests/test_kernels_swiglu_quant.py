@@ -160,7 +160,8 @@ def test_m0_no_launch(monkeypatch):
 
 def test_strategy_rule():
     assert choose_strategy(1, 2048, filtered=False) == "group"
-    assert choose_strategy(1, 384, filtered=True) == "persistent"
+    assert choose_strategy(96, 2048, filtered=True) == "group"          # routed decode: launch-bound
+    assert choose_strategy(8192 * 6, 384, filtered=True) == "persistent"
     assert choose_strategy(8192, 2048, filtered=False) == "persistent"
 
 
