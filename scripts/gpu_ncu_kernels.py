@@ -12,6 +12,8 @@ I = 2048 (fused). The ncu report says whether a kernel is issue-, latency- or me
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from dsv4_moe.kernels.act_quant import act_quant
@@ -25,19 +27,32 @@ DEV = torch.device("cuda")
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layout", default="nk", choices=("nk", "mma64"), help="routed weight byte order")
+    ap.add_argument("--tokens", default="1", help="comma-separated T for the routed GEMMs")
+    ap.add_argument("--routed-only", action="store_true")
+    args = ap.parse_args()
+    from dsv4_moe.weights.mma_layout import to_mma64
+
     g = torch.Generator(device=DEV).manual_seed(0)
     for name, n, k, e, gather in (("flash_up", 4096, 4096, 256, True), ("flash_down", 4096, 2048, 256, False),
                                   ("pro_up", 768, 7168, 384, True)):
         w, s = random_mxfp4_weight((e, n, k), generator=g)
-        ids = torch.randperm(e, device=DEV)[:6].sort().values.int()[None]
-        cfg = select_config(6, e, n, k)
-        a = moe_align(ids, e, 0, cfg.block_m)
-        rows = 1 if gather else a.max_rows
-        q, sa = act_quant(torch.randn(rows, k, device=DEV).bfloat16())
-        for _ in range(2):
-            mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=gather, scatter_out=not gather, config=cfg)
-        torch.cuda.synchronize()
-        print(name, cfg, flush=True)
+        if args.layout == "mma64":
+            w = to_mma64(w)
+        for t in [int(v) for v in args.tokens.split(",")]:
+            ids = torch.stack([torch.randperm(e, device=DEV)[:6] for _ in range(t)]).sort(1).values.int()
+            cfg = select_config(6 * t, e, n, k, args.layout)
+            a = moe_align(ids, e, 0, cfg.block_m)
+            rows = t if gather else a.max_rows
+            q, sa = act_quant(torch.randn(rows, k, device=DEV).bfloat16())
+            for _ in range(2):
+                mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=gather, scatter_out=not gather, config=cfg,
+                                   layout=args.layout)
+            torch.cuda.synchronize()
+            print(name, t, args.layout, cfg, flush=True)
+    if args.routed_only:
+        return
     w, sw = random_fp8_block_weight(4096, 4096, generator=g)
     q, sa = act_quant(torch.randn(1, 4096, device=DEV).bfloat16())
     for _ in range(2):
