@@ -141,3 +141,17 @@ def test_load_default_and_run_cli():
     r = subprocess.run([sys.executable, "-m", "dsv4_moe", "explain", "--layer", "1", "--tokens", "8"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and "finalize" in r.stdout, r.stderr
+
+
+def test_overlap_shared_option():
+    """The shared expert's side stream is a CUDA-only execution choice: rejected when not a
+    bool, stated by explain(), and the same output either way (on CPU it runs in line)."""
+    cfg = MoEConfig.tiny()
+    w = random_layer_weights(cfg, layer_idx=cfg.num_hash_layers, seed=2)
+    with pytest.raises(TypeError, match="overlap_shared='yes'"):
+        DeepseekV4MoE(cfg, w, overlap_shared="yes")
+    on, off = DeepseekV4MoE(cfg, w), DeepseekV4MoE(cfg, w, overlap_shared=False)
+    assert "shared expert: in line (device cpu)" in on.explain(2)
+    assert "overlap_shared=False" in off.explain(2)
+    x = torch.randn(3, cfg.hidden_size).bfloat16()
+    assert_bitwise_equal(on(x), off(x), "overlap_shared on vs off")
