@@ -119,7 +119,8 @@ def _select_mma64(rows: float, k: int) -> GemmConfig:
     docs/bench/2026-11-29/session4/, CUDA graphs, us, "nk" default -> "mma64" swap 16x128):
       T=1    Flash gate_up 41.5 (gemv) -> 43.4, down 22.2 -> 21.5; Pro-TP8 gate_up
              (K = 7168, 72 programs) 29.4 -> 44.3 unsplit, 29.8 split 8 ways (taken
-             when rows < 0.1 and K >= 6144, as the nk GEMV rule)
+             when rows < 0.1 and K >= 6144, as the nk GEMV rule; 19.9 once the
+             reduce was unrolled, and Flash gate_up 39.9 split 4 ways, see below)
       T=4    Flash gate_up 135.0 (tile) -> 109.4; Pro-TP8 gate_up 63.7 -> 64.6 (split 8)
       T=16   Flash gate_up 423.4 -> 338.0, down 212.9 -> 170.1; Pro-TP8 161.5 -> 125.8
       T=64   Flash gate_up 1024.2 -> 818.3; Pro-TP8 gate_up 442.4 -> 341.7
@@ -128,7 +129,15 @@ def _select_mma64(rows: float, k: int) -> GemmConfig:
              body's shared-memory store of the dequantised tile is slower from this
              layout (3-14 % on the four GEMMs); kept, the decode gains are larger."""
     if rows < 8:
-        split = 8 if rows < 0.1 and k >= 6144 else 1
+        # NOTE: with the unrolled reduce (1c65fa3, probe_swz_decode_splitk_1c65fa3.txt):
+        # Flash gate_up T=1 43.7 -> 39.9 us split 4 ways (T=4 131 vs 110 unsplit: no);
+        # Pro-TP8 gate_up T=1 43.7 -> 19.9 split 8 (T=4 67.0 -> 48.8); K = 2048 / 384: level
+        if rows < 0.1 and k >= 6144:
+            split = 8
+        elif rows < 0.05 and k >= 4096:
+            split = 4
+        else:
+            split = 1
         return GemmConfig(16, 128, 4, 4, kind="swap", asm=True, split_k=split)
     if rows < 64:
         return GemmConfig(32, 128, 4, 3, kind="swap", asm=True)

@@ -359,7 +359,9 @@ def test_mma64_guards_and_select_config():
                            gather_a=True, scatter_out=False, config=GemmConfig(16, 64), layout="mma64")
     # decode: the swap body (the GEMV reads only "nk"); long K at tiny T splits 8 ways
     c = select_config(6, 256, 4096, 4096, "mma64")
-    assert (c.kind, c.block_m, c.split_k) == ("swap", 16, 1)
+    assert (c.kind, c.block_m, c.split_k) == ("swap", 16, 4)      # Flash gate_up T=1: 4-way split
+    assert select_config(6, 256, 4096, 2048, "mma64").split_k == 1  # down: short K
+    assert select_config(24, 256, 4096, 4096, "mma64").split_k == 1  # T=4: unsplit
     assert select_config(6, 384, 768, 7168, "mma64").split_k == 8
     assert select_config(1024 * 6, 256, 4096, 4096, "mma64").block_m == 32
     assert select_config(4096 * 6, 256, 4096, 4096, "mma64").kind == "tile"
