@@ -242,6 +242,24 @@ class DeepseekV4MoE(_NativeBuffers):
 
         return combine(acc, shared, self.weights, group=self.group)
 
+    def set_routed_layout(self, layout: str = "auto") -> "DeepseekV4MoE":
+        """Re-order the routed experts' packed codes in place of the layer's buffers
+        ("auto", "nk" or "mma64", as the constructor's `routed_layout`), e.g. after moving
+        a layer built on the CPU to CUDA. Returns self."""
+        r = self.routed
+        layout, why = choose_routed_layout(r, layout)
+        if layout != r.layout:
+            self._register("routed_", r.with_layout(layout))
+        self.routed_layout, self.routed_layout_reason = layout, why
+        return self
+
+    def _layout_hint(self) -> str:
+        """A pointer at set_routed_layout when the layer moved to CUDA after construction."""
+        r = self.routed
+        if r.layout == "nk" and r.gate_up.device.type == "cuda" and choose_routed_layout(r)[0] == "mma64":
+            return " (now on CUDA: layer.set_routed_layout('mma64') takes the faster layout)"
+        return ""
+
     def _side_stream(self, device: torch.device):
         """The side stream of `device` for the shared expert (None: run it in line)."""
         if not self.overlap_shared or device.type != "cuda":
@@ -257,7 +275,8 @@ class DeepseekV4MoE(_NativeBuffers):
                 f"hidden {c.hidden_size}, intermediate {c.local_intermediate(self.tp_size)} per rank, "
                 f"experts {self.first_expert}..{self.first_expert + self.num_local_experts - 1} of "
                 f"{c.n_routed_experts}, top-{c.num_experts_per_tok}\n"
-                f"routed weights in layout {self.routed_layout!r}: {self.routed_layout_reason}\n"
+                f"routed weights in layout {self.routed_layout!r}: {self.routed_layout_reason}"
+                f"{self._layout_hint()}\n"
                 f"shared expert: " + ("on a side stream, overlapped with the routed experts (CUDA)"
                                       if self.overlap_shared and self.device.type == "cuda" else
                                       "in line" + ("" if self.overlap_shared else " (overlap_shared=False)")

@@ -114,3 +114,21 @@ def test_layer_layout_choice_and_explain():
     assert choose_routed_layout(wo.routed)[0] == "nk"
     with pytest.raises(ValueError, match="K=96"):
         DeepseekV4MoE(odd, wo, routed_layout="mma64")
+
+
+def test_set_routed_layout_in_place():
+    cfg = MoEConfig.flash().replace(hidden_size=256, moe_intermediate_size=128, n_routed_experts=8, name="tiny")
+    w = random_layer_weights(cfg, layer_idx=5, seed=1)
+    layer = DeepseekV4MoE(cfg, w)
+    x = torch.randn(4, 256).bfloat16()
+    before = layer(x)
+    assert layer.set_routed_layout("mma64") is layer
+    assert layer.routed.layout == "mma64" and layer.routed_gate_up.data_ptr() != w.routed.gate_up.data_ptr()
+    assert torch.equal(layer.routed.with_layout("nk").down, w.routed.down)
+    assert torch.equal(layer(x).view(torch.int16), before.view(torch.int16))
+    layer.set_routed_layout("auto")              # on the CPU "auto" keeps what it has
+    assert layer.routed_layout == "mma64"
+    layer.set_routed_layout("nk")
+    assert torch.equal(layer.routed.gate_up, w.routed.gate_up)
+    with pytest.raises(ValueError, match="routed_layout='x'"):
+        layer.set_routed_layout("x")
