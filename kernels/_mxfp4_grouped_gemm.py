@@ -33,35 +33,16 @@ freedom; docs/DESIGN.md ("Numerics decisions") has the figures and the open deci
 layers whose scale bytes leave [0, 128] (checked once at load).
 
 e2m1 magnitude code c = e1 e0 m: value 2^(e-1) (1 + m/2) for e = c >> 1 >= 1, 0.5 for
-c = 1, 0 for c = 0; see `_nibbles_to_f32` for the exact bit construction.
+c = 1, 0 for c = 0. The weight dequantisation (fp32 construction, the inline-PTX
+versions) and the "mma64" operand loads live in `_mxfp4_dequant.py`.
 """
 
 import triton
 import triton.language as tl
 
+from ._mxfp4_dequant import (_dequant_w, _dequant_w_asm, _dequant_w_swz_asm, _mma64_tile_ptrs, _mma64_unswizzle,
+                             _nibbles_to_f32)
 from ._triton_utils import round_to_bf16
-
-
-@triton.jit
-def _nibbles_to_f32(bits_lo, bits_hi, SELECT: tl.constexpr):
-    """Packed bytes (int32) -> fp32 e2m1(c) * 2^-126 of the low (even k) and high (odd k)
-    nibbles.
-
-    The fp32 with sign bit 31 and magnitude code c at bits 22..24 is exactly
-    e2m1(c) * 2^-126 (c = 1, e2m1's subnormal 0.5, lands on fp32's subnormal 2^-127), so
-    one exact fp32 multiply by 2^(s-1) then gives e2m1(c) * 2^(s-127), and the bf16 cast
-    of that is exact. SELECT=True builds the subnormal case with a select instead (for
-    targets that flush fp32 subnormals).
-    """
-    lo = ((bits_lo & 0x8) << 28) | ((bits_lo & 0x7) << 22)
-    hi = ((bits_hi & 0x80) << 24) | ((bits_hi & 0x70) << 18)
-    flo = lo.to(tl.float32, bitcast=True)
-    fhi = hi.to(tl.float32, bitcast=True)
-    if SELECT:
-        flo = tl.where((bits_lo & 0x7) == 1, tl.where((bits_lo & 0x8) != 0, -1.0, 1.0) * 5.877471754111438e-39, flo)
-        fhi = tl.where((bits_hi & 0x70) == 0x10, tl.where((bits_hi & 0x80) != 0, -1.0, 1.0) * 5.877471754111438e-39,
-                       fhi)
-    return flo, fhi
 
 
 @triton.jit
@@ -196,159 +177,6 @@ def _mxfp4_grouped_gemm_kernel(
     if SOFTWARE_BF16:
         acc = round_to_bf16(acc, True)  # RNE on the bits; the cast below is then exact
     tl.store(o_ptrs, acc.to(tl.bfloat16), mask=row_ok[:, None] & n_ok[None, :])
-
-
-# e2m1 pairs -> bf16x2 on the bits, then one bf16x2 multiply by the group's 2^(s-1) (sm_90's
-# mul.rn.bf16x2). Per 4 packed bytes ($4, elements 0..3 in its bytes 0..3) and their
-# groups' scales as bf16x2 ($5..$8, one per element, the same value in both halves; the
-# 4 elements of one pack are one group's in the tile body but NOT in every layout, e.g.
-# the swap body's MMA-operand layout, so each pair takes its own two scales, 1 prmt):
-# a bf16 with magnitude code c at bits 6..8 is exactly |e2m1(c)| * 2^-126 (c = 1 lands on
-# the bf16 subnormal 2^-127), as in _nibbles_to_f32, so the product with 2^(s-1) is
-# |e2m1(c)| * 2^(s-127), exact for s <= 128 (rounding never happens); the sign bit is
-# then OR-ed in (ptxas folds the and + or into one LOP3). Per 8 weights: 4 prmt +
-# 4 x (2 shifts, and, mul, and-or) where the first version rebuilt the scales from the
-# bytes per 4 weights (4 more instructions) and multiplied the signed value.
-_E2M1X4_TO_BF16_ASM = tl.constexpr("""
-{
-.reg .b32 x, y, t, u, sa, sb;
-prmt.b32 x, $4, 0, 0x4140;
-prmt.b32 y, $4, 0, 0x4342;
-prmt.b32 sa, $5, $6, 0x5410;
-prmt.b32 sb, $7, $8, 0x5410;
-shl.b32 t, x, 6;
-and.b32 t, t, 0x01C001C0;
-mul.rn.bf16x2 t, t, sa;
-shl.b32 u, x, 12;
-and.b32 u, u, 0x80008000;
-or.b32 $0, t, u;
-shl.b32 t, y, 6;
-and.b32 t, t, 0x01C001C0;
-mul.rn.bf16x2 t, t, sb;
-shl.b32 u, y, 12;
-and.b32 u, u, 0x80008000;
-or.b32 $1, t, u;
-shl.b32 t, x, 2;
-and.b32 t, t, 0x01C001C0;
-mul.rn.bf16x2 t, t, sa;
-shl.b32 u, x, 8;
-and.b32 u, u, 0x80008000;
-or.b32 $2, t, u;
-shl.b32 t, y, 2;
-and.b32 t, t, 0x01C001C0;
-mul.rn.bf16x2 t, t, sb;
-shl.b32 u, y, 8;
-and.b32 u, u, 0x80008000;
-or.b32 $3, t, u;
-}
-""")
-
-
-@triton.jit
-def _dequant_w_asm(packed, sb4, BLOCK_N: tl.constexpr):
-    """Packed [BLOCK_N, 64] uint8 + [BLOCK_N, 4] uint8 e8m0 -> bf16 (even k, odd k) tiles of
-    e2m1 * 2^(s-127), exactly, by the inline PTX above (GPU only)."""
-    p3 = tl.reshape(packed.to(tl.uint8), (BLOCK_N, 4, 16))
-    s2 = ((sb4.to(tl.int32) + 126) << 7) * 0x10001      # bf16x2 2^(s-1) per group, both halves
-    s3 = tl.broadcast_to(s2[:, :, None], (BLOCK_N, 4, 16))
-    w_lo, w_hi = tl.inline_asm_elementwise(
-        _E2M1X4_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r,r,r", [p3, s3],
-        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    return tl.reshape(w_lo, (BLOCK_N, 64)), tl.reshape(w_hi, (BLOCK_N, 64))
-
-
-# e2m1 pairs -> bf16x2 for the "mma64" weight layout (fewer instructions than the asm
-# above: 18 instead of 24 per 4 packed bytes, SASS loop of the swap body 614 -> ~500).
-# The element pair (e0, e1) of one output register is (k, k+1) of one row there (the
-# MMA operand's pair), but nothing here relies on it: each pair still takes its own two
-# scales by prmt, so the construction is exact for any pairing. Bytes go to the HIGH byte
-# of each 16-bit half (x = [e1 0 e0 0]); then per half:
-#   low nibble  (bits 8..11): magnitude >> 2 -> bits 6..8, sign << 4 -> bit 15, one LOP3
-#                             ((a | b) & 0x81C0: a and b are zero where the other lands)
-#   high nibble (bits 12..15): magnitude >> 6 -> bits 6..8 (masked: the low nibble's bit 0
-#                             lands at 8 in x itself), sign already at bit 15
-# and the signed bf16 (|e2m1| * 2^-126, c = 1 the bf16 subnormal) times the group's
-# 2^(s-1) is e2m1 * 2^(s-127) exactly, the same values as _E2M1X4_TO_BF16_ASM
-# (bit-checked for every byte and scale bytes 0, 1, 100, 127, 128 by
-# tests/test_kernels_mxfp4_gemm.py::test_swz_dequant_ptx_emulated_bitwise).
-_E2M1X4_TO_BF16_SWZ_ASM = tl.constexpr("""
-{
-.reg .b32 x, y, t, u, sa, sb;
-prmt.b32 x, $4, 0, 0x1404;
-prmt.b32 y, $4, 0, 0x3424;
-prmt.b32 sa, $5, $6, 0x5410;
-prmt.b32 sb, $7, $8, 0x5410;
-shr.b32 t, x, 2;
-shl.b32 u, x, 4;
-or.b32 t, t, u;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $0, t, sa;
-shr.b32 t, y, 2;
-shl.b32 u, y, 4;
-or.b32 t, t, u;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $1, t, sb;
-shr.b32 t, x, 6;
-and.b32 t, t, 0x01C001C0;
-and.b32 u, x, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 $2, t, sa;
-shr.b32 t, y, 6;
-and.b32 t, t, 0x01C001C0;
-and.b32 u, y, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 $3, t, sb;
-}
-""")
-
-
-@triton.jit
-def _dequant_w_swz_asm(packed, sb4, BLOCK_N: tl.constexpr):
-    """As _dequant_w_asm, by _E2M1X4_TO_BF16_SWZ_ASM (GPU only)."""
-    p3 = tl.reshape(packed.to(tl.uint8), (BLOCK_N, 4, 16))
-    s2 = ((sb4.to(tl.int32) + 126) << 7) * 0x10001
-    s3 = tl.broadcast_to(s2[:, :, None], (BLOCK_N, 4, 16))
-    w_lo, w_hi = tl.inline_asm_elementwise(
-        _E2M1X4_TO_BF16_SWZ_ASM, "=r,=r,=r,=r,r,r,r,r,r", [p3, s3],
-        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    return tl.reshape(w_lo, (BLOCK_N, 64)), tl.reshape(w_hi, (BLOCK_N, 64))
-
-
-@triton.jit
-def _mma64_tile_ptrs(w_e_ptr, pid_n, N, stride_wn, BLOCK_N: tl.constexpr):
-    """[BLOCK_N // 64, 16, 256] pointers to the first 128-block of this program's 64-row
-    tiles in the "mma64" layout (tile (t, kb) = 4096 contiguous bytes at
-    t * 64 * stride_wn + kb * 4096); tiles past N read tile 0 (their rows are masked)."""
-    i0 = pid_n * (BLOCK_N // 64) + tl.arange(0, BLOCK_N // 64)
-    i0 = tl.where(i0 < N // 64, i0, 0).to(tl.int64)
-    i1 = tl.arange(0, 16)
-    i2 = tl.arange(0, 256)
-    return w_e_ptr + i0[:, None, None] * (64 * stride_wn) + i1[None, :, None] * 256 + i2[None, None, :]
-
-
-@triton.jit
-def _mma64_unswizzle(s, BLOCK_N: tl.constexpr):
-    """[BLOCK_N // 64, 16, 256] bytes as stored -> the [BLOCK_N, 64] packed tile (rows n,
-    bytes kb of one 128-block). A reshape/permute of the bit-split indices (the inverse of
-    weights.mma_layout.to_mma64): for a 16-byte vector load per thread, the register
-    layout Triton derives is the wgmma A-operand layout itself, so no shared-memory
-    shuffle is generated (ttgir: no convert_layout in the loop)."""
-    x = tl.reshape(s, (BLOCK_N // 64, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2))
-    # dims 0 n6 | 1 k5 2 n5 3 n4 4 n2 | 5 n1 6 n0 7 k2 8 k1 9 k4 10 k3 11 n3 12 k0 -> n6..n0, k5..k0
-    x = tl.permute(x, (0, 2, 3, 11, 4, 5, 6, 1, 9, 10, 7, 8, 12))
-    return tl.reshape(x, (BLOCK_N, 64))
-
-
-@triton.jit
-def _dequant_w(packed, sb4, BLOCK_N: tl.constexpr, SELECT_SUBNORMAL: tl.constexpr):
-    """Packed [BLOCK_N, 64] bytes + [BLOCK_N, 4] e8m0 bytes -> fp32 (even k, odd k)
-    [BLOCK_N, 64] tiles holding e2m1 * 2^(s-127) exactly (see _nibbles_to_f32)."""
-    sc4 = ((sb4.to(tl.int32) + 126) << 23).to(tl.float32, bitcast=True)  # 2^(s-1); exact for s <= 128
-    p32 = packed.to(tl.int32)
-    f_lo, f_hi = _nibbles_to_f32(p32, p32, SELECT_SUBNORMAL)
-    w_lo = tl.reshape(tl.reshape(f_lo, (BLOCK_N, 4, 16)) * sc4[:, :, None], (BLOCK_N, 64))
-    w_hi = tl.reshape(tl.reshape(f_hi, (BLOCK_N, 4, 16)) * sc4[:, :, None], (BLOCK_N, 64))
-    return w_lo, w_hi
 
 
 @triton.jit

@@ -278,7 +278,7 @@ def test_swz_dequant_ptx_emulated_bitwise(which):
     """Both dequantisation PTX blocks, run by the interpreter above for every byte value
     (both nibbles) and scale bytes 0, 1, 100, 127, 128 - four different scales per pack -
     against e2m1 * 2^(s - 127) rounded to bf16 (exact): the same bits, -0.0 included."""
-    from dsv4_moe.kernels import _mxfp4_grouped_gemm as body
+    from dsv4_moe.kernels import _mxfp4_dequant as body
     from dsv4_moe.weights.formats import e2m1_codes_to_float
 
     src = getattr(body, which).value
