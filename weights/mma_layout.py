@@ -2,7 +2,7 @@
 
 The checkpoint stores each expert's packed e2m1 bytes row-major ("nk": [N, K/2], row n,
 byte j = k 2j (low nibble) and 2j+1 (high nibble)). The Hopper kernels
-(kernels/_mxfp4_grouped_gemm.py, `W_SWZ`) want each thread's bytes of a wgmma A-operand
+(kernels/_mxfp4_grouped_gemm.py `W_SWZ`, loads in _mxfp4_dequant.py) want each thread's bytes of a wgmma A-operand
 fragment to be 16 contiguous bytes, so a [BLOCK_N, 64]-byte tile lands in registers
 with 16-byte loads and no shared-memory shuffle. "mma64" permutes the bytes of every
 64-row x 64-byte tile (64 rows x one 128-wide K block, 4096 bytes) for that:
@@ -14,11 +14,13 @@ with 16-byte loads and no shared-memory shuffle. "mma64" permutes the bytes of e
                  r = k5 n5 n4 n2              (most to least significant)
                  c = n1 n0 k2 k1 k4 k3 n3 k0
 
-Why these bits: Triton's wgmma A-operand layout for a [64 x 64] bf16 tile over 4 warps
-gives a thread rows (lane / 4) + {0, 8} + 16 * warp and byte pairs 2 * (lane % 4) +
-{0, 1} + {0, 8, 16, ..., 56}; the digits above put exactly those 16 bytes (4 rows x
-4 byte-pairs ... per 64-byte K block) in one 16-byte vector, in the register order the
-operand wants (k0 first, so a 32-bit register holds a k-pair).
+Why these bits: Triton's wgmma A-operand layout for a [64 x 64] tile over 4 warps gives
+the thread (lane, warp) rows n = lane / 4 + 16 * warp and n + 8, and bytes
+2q, 2q + 1 (q = lane % 4) plus {0, 8, 16, 24} in each 32-byte half of the block. The digits
+above put each half's 16 bytes of a thread (2 rows x 8 bytes) in one 16-byte vector, in
+the register order the operand wants (k0 first, so a 32-bit register holds a k-pair);
+the kernel's reshape/permute of the loaded vectors then is the operand layout itself
+(no shared-memory shuffle; checked in the compiled ttgir).
 
 The tensor keeps its shape [..., N, K/2] and dtype uint8; only the byte order changes,
 so shapes checks, `.to()` and memory size are unchanged. It needs N % 64 == 0 and
