@@ -196,6 +196,8 @@ def _mxfp4_grouped_gemm_swap_kernel(
     SELECT_SUBNORMAL: tl.constexpr = False,
     ASM: tl.constexpr = False,
     W_SWZ: tl.constexpr = False,   # weights in the "mma64" layout (as in _mxfp4_grouped_gemm_kernel)
+    A_BF16: tl.constexpr = False,  # activations given as bf16, each 128-block as [64 even k | 64 odd k]
+                                   # (K % 128 == 0): the MMA's second operand loads as is
 ):
     """Swapped operands: out^T[n, rows] = W[n, k] . A^T[k, rows]. The dequantised weight
     tile is the MMA's first operand (kept in registers on Hopper: no shared-memory round
@@ -221,7 +223,10 @@ def _mxfp4_grouped_gemm_swap_kernel(
     kh = tl.arange(0, 64)
     k4 = tl.arange(0, 4)
     kk = tl.arange(0, 128)
-    a_ptrs = a_ptr + arow[:, None] * stride_am + kk[None, :]
+    if A_BF16:
+        a_ptrs = a_ptr + arow[:, None] * stride_am + kh[None, :]
+    else:
+        a_ptrs = a_ptr + arow[:, None] * stride_am + kk[None, :]
     if W_SWZ:
         w_ptrs = _mma64_tile_ptrs(w_ptr + e * stride_we, pid_n, N, stride_wn, BLOCK_N)
     else:
@@ -235,8 +240,12 @@ def _mxfp4_grouped_gemm_swap_kernel(
     for j in tl.range(0, KB_PER, num_stages=NUM_STAGES):
         kb = pid_k * KB_PER + j
         k0 = kb * 128
-        a = tl.load(a_ptrs + k0, mask=(k0 + kk)[None, :] < K, other=0.0)
-        a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, 64, 2)))
+        if A_BF16:
+            a_even = tl.load(a_ptrs + k0, mask=(kb < K // 128) & (kh < 64)[None, :], other=0.0)
+            a_odd = tl.load(a_ptrs + k0 + 64, mask=(kb < K // 128) & (kh < 64)[None, :], other=0.0)
+        else:
+            a = tl.load(a_ptrs + k0, mask=(k0 + kk)[None, :] < K, other=0.0)
+            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, 64, 2)))
         kmask = (k0 // 2 + kh)[None, :] < K // 2
         if W_SWZ:  # whole 128-blocks: only a split's tail block is masked
             packed = _mma64_unswizzle(tl.load(w_ptrs + kb * 4096, mask=kb < K // 128, other=0), BLOCK_N)

@@ -64,6 +64,13 @@ class GemmConfig:
     asm: bool = False
     # "gemv" only: 128-blocks per loop iteration (independent loads in flight together)
     unroll: int = 1
+    # "swap" only, probes (NOT measured as a default yet): hand the MMA its second operand
+    # as bf16 ([64 even | 64 odd] per 128-block, converted by torch in the wrapper, its
+    # time included), so the body skips the fp8 -> bf16 conversion and its barrier per
+    # block; same values, same MMA, so bitwise the default. Session 4's prototype measured
+    # 5-10 % at T >= 16 on "mma64" (probe_swz_proto.txt, "pre1"); to be re-measured with a
+    # conversion fused into act_quant / swiglu_quant before it becomes a default.
+    a_bf16: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("tile", "swap", "gemv"):
@@ -75,6 +82,8 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.block_m={self.block_m}: expected 16, 32, 64, 128 or 256")
         if self.block_n not in (16, 32, 64, 128, 256):
             raise ValueError(f"GemmConfig.block_n={self.block_n}: expected 16, 32, 64, 128 or 256")
+        if self.a_bf16 and self.kind != "swap":
+            raise ValueError(f"GemmConfig.a_bf16=True needs kind 'swap', got kind={self.kind!r}")
         if not isinstance(self.split_k, int) or self.split_k < 1 or (self.split_k > 1 and self.kind == "tile"):
             raise ValueError(f"GemmConfig.split_k={self.split_k!r}: expected an int >= 1 (1 for kind 'tile')")
 
@@ -217,6 +226,10 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
     w4 = w4.contiguous()
     sw = sw.contiguous().view(torch.uint8)
     swz = layout == "mma64"
+    if cfg.a_bf16:
+        if k % 128:
+            raise ValueError(f"config.a_bf16=True: K={k} must be a multiple of 128")
+        q = bf16_pairs(q)
     if cfg.kind != "tile":
         return _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz)
     grid = (align.max_blocks, triton.cdiv(n, cfg.block_n))
@@ -234,6 +247,13 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
         num_warps=cfg.num_warps,
     )
     return out
+
+
+def bf16_pairs(q: torch.Tensor) -> torch.Tensor:
+    """[M, K] e4m3 -> [M, K] bf16 (exact) with each 128-block as its 64 even k then its 64
+    odd k: the swap body's second operand when GemmConfig.a_bf16 is set."""
+    m, k = q.shape
+    return q.to(torch.bfloat16).view(m, k // 128, 64, 2).transpose(2, 3).reshape(m, k)
 
 
 def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz):
@@ -258,7 +278,7 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
                   ASM=cfg.asm and not interpreting(),
                   num_warps=cfg.num_warps)
     if cfg.kind == "swap":
-        _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, W_SWZ=swz, **common)
+        _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, W_SWZ=swz, A_BF16=cfg.a_bf16, **common)
     else:
         _mxfp4_gemv_kernel[grid](*args, UNROLL=cfg.unroll, **common)
     if split:

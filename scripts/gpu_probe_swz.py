@@ -7,6 +7,7 @@ routes of random tokens: times under CUDA-graph replay the "nk" default
 (select_config(..., "nk")), the "mma64" default and mma64 variants; checks bitwise:
   * mma64 swap/tile == nk swap/tile with the same config (same MMA, same k order),
   * the mma64 dequantisation PTX == the plain fp32 construction (asm off),
+  * a_bf16 (bf16 activations handed to the swap body, conversion timed) == fp8 ones,
 and reports the share of outputs that differ from the nk default (other bodies sum a
 128-block in another order). Writes $OUT/probe_swz.json.
 """
@@ -115,11 +116,13 @@ def main():
                           (GemmConfig(16, 128, 4, 3, kind="swap", asm=True), "mma64"),
                           (GemmConfig(16, 64, 4, 4, kind="swap", asm=True), "mma64"),
                           (GemmConfig(16, 128, 4, 3, asm=True), "mma64")]
+                cands.append((GemmConfig(16, 128, 4, 4, kind="swap", asm=True, a_bf16=True), "mma64"))
                 if rows_per < 0.2:
                     for sk in (2, 4, 8):
                         cands.append((GemmConfig(16, 128, 4, 4, kind="swap", asm=True, split_k=sk), "mma64"))
             elif rows_per < 64:
-                cands += [(GemmConfig(32, 128, 4, 3, kind="swap", asm=True), "nk"),
+                cands += [(GemmConfig(32, 128, 4, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
+                          (GemmConfig(32, 128, 4, 3, kind="swap", asm=True), "nk"),
                           (GemmConfig(32, 128, 4, 3, kind="swap"), "mma64"),
                           (GemmConfig(32, 128, 4, 4, kind="swap", asm=True), "mma64")]
             else:
@@ -148,7 +151,8 @@ def main():
                 other = (cfg, "nk") if layout == "mma64" else None
                 plain = (GemmConfig(**{**cfg.__dict__, "asm": not cfg.asm}), layout)
                 checks = {}
-                for tag, k2 in (("vs_nk_same_cfg", other), ("asm_vs_plain", plain)):
+                bf16_twin = (GemmConfig(**{**cfg.__dict__, "a_bf16": False}), layout) if cfg.a_bf16 else None
+                for tag, k2 in (("vs_nk_same_cfg", other), ("asm_vs_plain", plain), ("a_bf16_vs_fp8", bf16_twin)):
                     if k2 is not None and k2 in results and k2 != key:
                         checks[tag] = bool(torch.equal(res.view(torch.int16), results[k2].view(torch.int16)))
                 rows.append(dict(shape=name, T=t, cfg=repr(cfg), layout=layout, us=us, TBps=wbytes / us / 1e6,
