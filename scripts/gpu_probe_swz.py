@@ -65,6 +65,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=300)
     ap.add_argument("--ts", default="1,4,16,64,256,1024,4096")
+    ap.add_argument("--shapes", default="flash_up,flash_down,pro_up,pro_down")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", "./out")
     os.makedirs(out_dir, exist_ok=True)
@@ -80,6 +81,8 @@ def main():
         weights[name] = {"nk": w, "mma64": to_mma64(w), "scale": s}
     for t in [int(x) for x in args.ts.split(",")]:
         for name, n, k, e, gather in shapes:
+            if name not in args.shapes.split(","):
+                continue
             if time.time() - t0 > args.budget_s:
                 print("budget reached", flush=True)
                 break
@@ -122,13 +125,22 @@ def main():
                         cands.append((GemmConfig(16, 128, 4, 4, kind="swap", asm=True, split_k=sk), "mma64"))
             elif rows_per < 64:
                 cands += [(GemmConfig(32, 128, 4, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
+                          (GemmConfig(64, 128, 4, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
+                          (GemmConfig(64, 128, 8, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
                           (GemmConfig(32, 128, 4, 3, kind="swap", asm=True), "nk"),
                           (GemmConfig(32, 128, 4, 3, kind="swap"), "mma64"),
                           (GemmConfig(32, 128, 4, 4, kind="swap", asm=True), "mma64")]
             else:
-                cands += [(GemmConfig(64, 128, 4, 3, asm=True), "nk"), (GemmConfig(64, 128, 4, 3), "mma64"),
-                          (GemmConfig(128, 128, 8, 3, asm=True), "mma64"),
-                          (GemmConfig(32, 128, 4, 3, kind="swap", asm=True), "mma64")]
+                # session 5: the swap body with bf16 activations (no register round trip of the
+                # second operand) at prefill sizes, and wider swap tiles
+                cands += [(GemmConfig(64, 128, 4, 3, asm=True), "nk"),
+                          (GemmConfig(32, 128, 4, 3, kind="swap", asm=True), "mma64"),
+                          (GemmConfig(32, 128, 4, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
+                          (GemmConfig(64, 128, 4, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
+                          (GemmConfig(64, 128, 8, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
+                          (GemmConfig(128, 128, 8, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
+                          (GemmConfig(64, 256, 8, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
+                          (GemmConfig(128, 64, 4, 3, kind="swap", asm=True, a_bf16=True), "mma64")]
             results = {}
             base_res = base_us = None
             for cfg, layout in cands:
