@@ -1,7 +1,8 @@
-"""Triton body of `route_topk`: biased top-k, unbiased gather, renormalise, sort by id.
+"""Triton bodies of `route_topk`: the decode logits GEMV, and biased top-k, unbiased
+gather, renormalise, sort by id (with the sqrt(softplus) scores applied in-kernel on GPUs).
 
-One program per token. The token's E scores (fp32, already `sqrt(softplus(logits))`)
-sit in one register vector of E_PAD lanes (E <= 512 in every DeepSeek-V4 config).
+Top-k: one program per token. The token's E scores (fp32 `sqrt(softplus(logits))`, given
+or computed from the logits by `_sqrt_softplus`) sit in one register vector of E_PAD lanes (E <= 512 in every DeepSeek-V4 config).
 Selection is k rounds of "max, then the lowest index holding it" — the lowest-index
 tie-break is what `torch.topk` does on CPU and CUDA for exact ties in practice, but it
 is not documented, so tests count ties instead of relying on it. The k chosen
@@ -14,11 +15,57 @@ the weights are bitwise equal.
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+
+@triton.jit
+def _sqrt_softplus(logit):
+    """sqrt(softplus(logit)) in fp32 with torch's CUDA formula and rounding (GPU only:
+    libdevice): softplus(x) = x if x > 20 else log1p(exp(x)) (beta 1, threshold 20; the
+    `/ beta` of torch's kernel is exact), then the IEEE square root. Bitwise equal to
+    `torch.sqrt(F.softplus(x))` on the H200 for every fp32 input (all 2^32 bit patterns
+    checked by scripts/gpu_check_routed.py --parts scores)."""
+    sp = tl.where(logit > 20.0, logit, libdevice.log1p(libdevice.exp(logit)))
+    return tl.sqrt_rn(sp)
+
+
+@triton.jit
+def _router_logits_kernel(
+    x_ptr,             # [T, H] bf16, row stride stride_x
+    w_ptr,             # [E, H] bf16 / f32, row stride stride_w
+    out_ptr,           # [T, E] f32, row stride stride_o
+    T, E, stride_x, stride_w, stride_o,
+    H: tl.constexpr,   # NOTE: constexpr (a model constant) so the interpreter can run the loop
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """logits[t, e] = sum_h x[t, h] * W[e, h] on the CUDA cores, fp32 accumulation.
+
+    Every bf16 x bf16 product is exact in fp32, so only the summation order differs from
+    the reference (as with cuBLAS). Grid (cdiv(E, BLOCK_E), cdiv(T, BLOCK_T)): for decode
+    the gate weight (E x H) is spread over ~E / BLOCK_E programs that each stream
+    BLOCK_E rows once, where cuBLAS's split-K GEMV needs a second (reduce) launch."""
+    pid_e = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    tt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    ee = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    hh = tl.arange(0, BLOCK_H)
+    t_ok = tt < T
+    e_ok = ee < E
+    x_ptrs = x_ptr + tl.where(t_ok, tt, 0).to(tl.int64)[:, None] * stride_x + hh[None, :]
+    w_ptrs = w_ptr + tl.where(e_ok, ee, 0).to(tl.int64)[:, None] * stride_w + hh[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for h0 in tl.range(0, H, BLOCK_H, num_stages=NUM_STAGES):
+        h_ok = (h0 + hh) < H
+        x = tl.load(x_ptrs + h0, mask=h_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs + h0, mask=h_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    o_ptrs = out_ptr + tt.to(tl.int64)[:, None] * stride_o + ee[None, :]
+    tl.store(o_ptrs, acc, mask=t_ok[:, None] & e_ok[None, :])
 
 
 @triton.jit
 def _route_topk_kernel(
-    scores_ptr,        # [T, E] f32, row stride stride_s
+    scores_ptr,        # [T, E] f32, row stride stride_s: scores, or logits when APPLY_SCORES
     bias_ptr,          # [E] f32 (HAS_BIAS)
     tid2eid_ptr,       # [vocab, TOP_K] int (HASH), row stride stride_tab
     input_ids_ptr,     # [T] int (HASH)
@@ -28,11 +75,14 @@ def _route_topk_kernel(
     scale,             # routed_scaling_factor, fp32
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
     HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
+    APPLY_SCORES: tl.constexpr = False,  # GPU only: read logits, apply _sqrt_softplus here
 ):
     t = tl.program_id(0).to(tl.int64)
     col = tl.arange(0, E_PAD)
     in_range = col < E
     scores = tl.load(scores_ptr + t * stride_s + col, mask=in_range, other=0.0)
+    if APPLY_SCORES:
+        scores = _sqrt_softplus(scores)
     kk = tl.arange(0, K_PAD)
     sel_ids = tl.full([K_PAD], 0, tl.int32)
     sel_w = tl.zeros([K_PAD], tl.float32)

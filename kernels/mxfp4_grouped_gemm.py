@@ -64,12 +64,11 @@ class GemmConfig:
     asm: bool = False
     # "gemv" only: 128-blocks per loop iteration (independent loads in flight together)
     unroll: int = 1
-    # "swap" only, probes (NOT measured as a default yet): hand the MMA its second operand
-    # as bf16 ([64 even | 64 odd] per 128-block, converted by torch in the wrapper, its
-    # time included), so the body skips the fp8 -> bf16 conversion and its barrier per
-    # block; same values, same MMA, so bitwise the default. Session 4's prototype measured
-    # 5-10 % at T >= 16 on "mma64" (probe_swz_proto.txt, "pre1"); to be re-measured with a
-    # conversion fused into act_quant / swiglu_quant before it becomes a default.
+    # "swap" only: hand the MMA its second operand as bf16 ([64 even | 64 odd] per
+    # 128-block, converted by torch in the wrapper, its time included), so the body skips
+    # the fp8 -> bf16 conversion and its barrier per block; same values, same MMA, so
+    # bitwise the default. routed_configs turns it on for gate_up where the H200 measured
+    # a gain (session 5: 3-10 %); a conversion fused into act_quant would save its launches.
     a_bf16: bool = False
 
     def __post_init__(self) -> None:

@@ -51,6 +51,15 @@ def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmCo
         down = gemv_config(i)
     if down.block_m != up.block_m:
         down = dataclasses.replace(down, block_m=up.block_m)
+    # NOTE: gate_up's activations as bf16 [even | odd] pairs (GemmConfig.a_bf16; bitwise the
+    # fp8 operand). H200 probe, session 5 (docs/bench/2026-11-29/session5/probe_swz_4b8412e.txt,
+    # "mma64" swap, conversion by torch included, us): Flash gate_up T=16 340.8 -> 308.6,
+    # T=1024 1459.6 -> 1338.9; Pro-TP8 gate_up T=16 150.3 -> 141.1, T=1024 675.0 -> 653.3.
+    # Not at T <= 4 (split-K decode: level or slower unsplit) and not for down (Pro-TP8 down
+    # T=16 82.2 -> 113.5, T=1024 484.4 -> 744.8).
+    rows = num_routes / max(routed.num_local, 1)
+    if up.kind == "swap" and up.split_k == 1 and routed.layout == "mma64" and rows >= 0.2 and h % 128 == 0:
+        up = dataclasses.replace(up, a_bf16=True)
     return up, down
 
 

@@ -10,14 +10,22 @@ unbiased weights renormalised and scaled, ids sorted ascending per token.
     topk_weights [T, k]        float32   w / sum(w) * routed_scaling_factor
     topk_ids     [T, k]        int32     ascending per token (weights permuted with them)
 
-Design (measure with `scripts/gpu_check_routed.py`, section "router"): the logits are
-one cuBLAS call with fp32 accumulation (bf16 x bf16 products are exact in fp32, so
-only the summation order can differ from `x.float() @ W.float().T`), the scores are
-torch's own `softplus` and `sqrt` (bitwise what the reference computes on the same
-device: Triton has no `log1p` that matches torch's, and a 1-ulp score difference could
-flip a near-tie in the selection), and one Triton kernel does selection, gather,
-renormalisation, scaling and the per-token sort. Nothing reads device values on the
-host, so the whole router can be captured in a CUDA graph.
+Design (measure with `scripts/gpu_check_routed.py`, section "router"):
+* logits, fp32 accumulation (bf16 x bf16 products are exact in fp32, so only the
+  summation order can differ from `x.float() @ W.float().T`): for T <= GEMV_MAX_T on a
+  GPU a Triton GEMV over the gate weight (one launch), else one cuBLAS call
+  (`logits_impl` forces either);
+* scores `sqrt(softplus(logits))`: on a GPU computed inside the top-k kernel with
+  libdevice `log1p`/`exp` and the IEEE square root, bitwise torch's CUDA `softplus` +
+  `sqrt` for every fp32 input (exhaustive H200 check in `scripts/gpu_check_routed.py`);
+  elsewhere (CPU, the Triton interpreter, which has no libdevice) torch's own ops
+  (`scores_impl` forces either). Equal scores matter: a 1-ulp difference could flip a
+  near-tie in the selection;
+* one Triton kernel does selection, gather, renormalisation, scaling and the per-token
+  sort.
+At T = 1 that is 2 launches where cuBLAS + softplus + sqrt + top-k took 5 (about 12 us of
+kernels on the H200, session-4 profile). Nothing reads device values on the host, so the
+whole router can be captured in a CUDA graph.
 
 Hash-table rows must hold ids in [0, E); an out-of-range id would gather a 0 score
 (checking it would need a host sync, so it is the loader's job).
@@ -27,9 +35,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["route_topk", "router_logits"]
+__all__ = ["route_topk", "router_logits", "router_logits_gemv", "gemv_blocks", "GEMV_MAX_T"]
 
 _E_MAX = 4096  # one register vector per token; DeepSeek-V4 has E <= 384
+# NOTE: the logits GEMV replaces cuBLAS up to this many tokens (H200 probe, see
+# gpu_check_routed.py --parts router_impl; re-measure when changing the GEMV blocks).
+GEMV_MAX_T = 16
+_LOGITS_IMPLS = ("auto", "gemv", "mm")
+_SCORES_IMPLS = ("auto", "kernel", "torch")
 _MM_OUT_DTYPE_OK: dict[str, bool] = {}
 
 
@@ -59,10 +72,49 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.float() @ weight.float().t()
 
 
+def gemv_blocks(t: int) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_E, BLOCK_H, num_warps) of the logits GEMV for T tokens: 2 gate rows
+    per program (128-192 programs for E = 256-384), up to 8 tokens per program, and the
+    [BLOCK_T, BLOCK_E, BLOCK_H] product at 64 fp32 per thread."""
+    bt = min(8, 1 << max(0, t - 1).bit_length())
+    be = 2
+    bh = max(64, min(1024, 8192 // (bt * be)))
+    return bt, be, bh, 4
+
+
+def router_logits_gemv(x: torch.Tensor, weight: torch.Tensor,
+                       blocks: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """[T, H] bf16 @ [E, H]^T -> [T, E] float32 by the Triton GEMV (`_router_logits_kernel`);
+    `blocks` overrides `gemv_blocks(T)` (probes)."""
+    import triton  # noqa: PLC0415
+
+    from ._router import _router_logits_kernel
+    t, h = x.shape
+    e = weight.shape[0]
+    out = torch.empty((t, e), dtype=torch.float32, device=x.device)
+    if t == 0:
+        return out
+    bt, be, bh, warps = blocks or gemv_blocks(t)
+    x = x.contiguous()
+    weight = weight.contiguous()
+    _router_logits_kernel[(triton.cdiv(e, be), triton.cdiv(t, bt))](
+        x, weight, out, t, e, x.stride(0), weight.stride(0), out.stride(0),
+        H=h, BLOCK_T=bt, BLOCK_E=be, BLOCK_H=bh, NUM_STAGES=3, num_warps=warps)
+    return out
+
+
 def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                tid2eid: torch.Tensor | None, input_ids: torch.Tensor | None,
-               top_k: int, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Route T tokens to top_k of E experts; see the module docstring for layouts."""
+               top_k: int, routed_scaling_factor: float, *, logits_impl: str = "auto",
+               scores_impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Route T tokens to top_k of E experts; see the module docstring for layouts.
+
+    logits_impl: "auto" | "gemv" (Triton GEMV) | "mm" (cuBLAS / torch); scores_impl:
+    "auto" | "kernel" (in the top-k kernel, GPU only) | "torch"."""
+    from ._triton_utils import interpreting  # noqa: PLC0415
+
+    _check(logits_impl in _LOGITS_IMPLS, f"logits_impl={logits_impl!r}: expected one of {_LOGITS_IMPLS}")
+    _check(scores_impl in _SCORES_IMPLS, f"scores_impl={scores_impl!r}: expected one of {_SCORES_IMPLS}")
     _check(isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype == torch.bfloat16,
            f"x: expected a [T, H] bfloat16 tensor, got {getattr(x, 'dtype', type(x))} "
            f"shape {tuple(getattr(x, 'shape', ()))}")
@@ -90,11 +142,18 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         if ten is not None:
             _check(ten.device == x.device, f"{name}: on {ten.device}, expected x's device {x.device}")
 
+    on_gpu = x.is_cuda and not interpreting()
+    _check(scores_impl != "kernel" or on_gpu,
+           f"scores_impl='kernel' needs a CUDA tensor outside the Triton interpreter (libdevice); "
+           f"x is on {x.device}, interpreting={interpreting()}")
     out_w = torch.empty((t, top_k), dtype=torch.float32, device=x.device)
     out_ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
     if t == 0:
         return out_w, out_ids
-    scores = torch.sqrt(torch.nn.functional.softplus(router_logits(x, weight)))
+    use_gemv = logits_impl == "gemv" or (logits_impl == "auto" and x.is_cuda and t <= GEMV_MAX_T)
+    logits = router_logits_gemv(x, weight) if use_gemv else router_logits(x, weight)
+    apply_scores = scores_impl == "kernel" or (scores_impl == "auto" and on_gpu)
+    scores = logits if apply_scores else torch.sqrt(torch.nn.functional.softplus(logits))
     import triton  # noqa: PLC0415  (lazy: importing dsv4_moe.kernels never needs triton)
 
     from ._router import _route_topk_kernel
@@ -107,7 +166,7 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         e, scores.stride(0), tid2eid.shape[1] if hashed else 0,
         float(routed_scaling_factor),
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(e),
-        HAS_BIAS=bias is not None, HASH=hashed,
+        HAS_BIAS=bias is not None, HASH=hashed, APPLY_SCORES=apply_scores,
         num_warps=4 if e > 256 else 2,
     )
     return out_w, out_ids

@@ -11,6 +11,8 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import dataclasses  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -373,6 +375,12 @@ def test_mma64_guards_and_select_config():
     for t in (1, 2, 4, 16, 256, 1024, 4096):
         up, down = routed_configs(t * 6, pro_tp8)
         assert up.block_m == down.block_m and up.kind != "gemv" and down.kind != "gemv", (t, up, down)
+        # bf16 activation pairs: gate_up's unsplit swap body from 0.2 rows per expert, never down
+        assert up.a_bf16 == (up.kind == "swap" and up.split_k == 1 and t * 6 / 384 >= 0.2), (t, up)
+        assert not down.a_bf16
+    assert routed_configs(16 * 6, pro_tp8)[0].a_bf16 and not routed_configs(4 * 6, pro_tp8)[0].a_bf16
+    nk = dataclasses.replace(pro_tp8, layout="nk")  # "nk" decodes on the tile/GEMV bodies: no pairs
+    assert not any(routed_configs(t * 6, nk)[0].a_bf16 for t in (16, 256, 1024))
 
 
 @pytest.mark.parametrize("layout", ["nk", "mma64"])

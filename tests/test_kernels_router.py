@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from dsv4_moe import reference as ref  # noqa: E402
-from dsv4_moe.kernels.router import route_topk  # noqa: E402
+from dsv4_moe.kernels.router import gemv_blocks, route_topk, router_logits_gemv  # noqa: E402
 
 SCALE = 1.5
 
@@ -27,10 +27,11 @@ def _inputs(t, h, e, seed):
     return x, w, bias
 
 
+@pytest.mark.parametrize("logits_impl", ["mm", "gemv"])
 @pytest.mark.parametrize("t,e,k", [(1, 8, 3), (5, 16, 6), (33, 16, 4), (17, 384, 6)])
-def test_biased_topk_vs_reference(t, e, k):
+def test_biased_topk_vs_reference(t, e, k, logits_impl):
     x, w, bias = _inputs(t, 256, e, t + e)
-    tw, ids = route_topk(x, w, bias, None, None, k, SCALE)
+    tw, ids = route_topk(x, w, bias, None, None, k, SCALE, logits_impl=logits_impl)
     rw, rids = ref.route(x, w, bias, None, None, k, SCALE)
     assert ids.dtype == torch.int32 and tw.dtype == torch.float32
     assert torch.equal(ids, ids.sort(1).values), "ids must be ascending per token"
@@ -85,3 +86,43 @@ def test_guards():
         route_topk(x, w, bias.double(), None, None, 2, SCALE)
     with pytest.raises(ValueError, match="input_ids"):
         route_topk(x, w, None, torch.zeros(10, 2, dtype=torch.long), None, 2, SCALE)
+
+
+@pytest.mark.parametrize("t,e,h,wdtype", [(1, 256, 512, torch.bfloat16), (11, 15, 200, torch.bfloat16),
+                                          (3, 7, 96, torch.float32), (20, 6, 160, torch.bfloat16)])
+def test_logits_gemv(t, e, h, wdtype):
+    # products of bf16 values are exact in fp32: only the summation order may differ from
+    # the float64 sum, so the GEMV sits within fp32 accumulation error of it (and a wrong
+    # row/column, a missed tail block or a dropped token would be far outside that bound)
+    g = torch.Generator().manual_seed(t * 100 + e)
+    x = torch.randn(t, h, generator=g).bfloat16()
+    w = (torch.randn(e, h, generator=g) * 0.05).bfloat16().to(wdtype)
+    got = router_logits_gemv(x, w)
+    exact = x.double() @ w.double().T
+    assert got.dtype == torch.float32 and got.shape == (t, e)
+    bound = 4 * h * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)
+    assert ((got.double() - exact).abs() <= bound).all()
+    # exact sums (one-hot rows): bitwise
+    w1 = torch.zeros(e, h, dtype=wdtype)
+    w1[torch.arange(e), torch.arange(e) * 3 % h] = 2.0
+    assert torch.equal(router_logits_gemv(x, w1), x.float() @ w1.float().T)
+
+
+def test_logits_gemv_blocks_cover_every_t():
+    for t in range(1, 70):
+        bt, be, bh, warps = gemv_blocks(t)
+        assert bt & (bt - 1) == 0 and bt <= 8 and (bt >= t or bt == 8)
+        assert bt * be * bh <= 8192 and bh >= 64 and warps == 4
+    x = torch.randn(0, 64).bfloat16()
+    assert router_logits_gemv(x, torch.randn(8, 64).bfloat16()).shape == (0, 8)
+
+
+def test_impl_guards():
+    x, w, bias = _inputs(2, 64, 8, 0)
+    with pytest.raises(ValueError, match="logits_impl='fast'"):
+        route_topk(x, w, bias, None, None, 2, SCALE, logits_impl="fast")
+    with pytest.raises(ValueError, match="scores_impl='gpu'"):
+        route_topk(x, w, bias, None, None, 2, SCALE, scores_impl="gpu")
+    # the in-kernel scores need libdevice: refused on the CPU / under the interpreter
+    with pytest.raises(ValueError, match="scores_impl='kernel' needs a CUDA tensor"):
+        route_topk(x, w, bias, None, None, 2, SCALE, scores_impl="kernel")

@@ -1,0 +1,206 @@
+"""H200 check + probe of the router (kernels/router.py): in-kernel scores and the logits GEMV.
+
+    OUT=./out python3 scripts/gpu_check_router.py [--parts scores,ids,time] [--budget-s 200]
+
+scores  every fp32 bit pattern (2^32, in chunks): `_sqrt_softplus` (libdevice log1p/exp,
+        IEEE sqrt) against torch.sqrt(F.softplus(x)) on the same GPU; must be bitwise
+        (NaN payloads compared as "both NaN"). Then route_topk with scores in the kernel
+        vs scores by torch, on the same logits: ids and weights bitwise.
+ids     route_topk (auto: GEMV logits for T <= GEMV_MAX_T, in-kernel scores) against the
+        reference on the CPU, Flash and Pro gate shapes, biased and hash routing: share of
+        tokens whose ids differ, and whether each differing token is a near-tie.
+time    CUDA-graph replay, gate weights rotated over 32 copies (so the 60 MB L2 does not
+        hold them): the session-4 router (cuBLAS + torch softplus/sqrt + top-k) against
+        cuBLAS + in-kernel scores and GEMV + in-kernel scores, and GEMV block variants.
+Writes $OUT/router.json and prints one line per row.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4_moe import reference as ref
+from dsv4_moe.kernels._router import _sqrt_softplus
+from dsv4_moe.kernels.router import GEMV_MAX_T, gemv_blocks, route_topk, router_logits, router_logits_gemv
+
+DEV = torch.device("cuda")
+ROWS: list[dict] = []
+
+
+def emit(**row):
+    ROWS.append(row)
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+
+
+@triton.jit
+def _scores_elementwise(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n)
+    tl.store(y_ptr + i, _sqrt_softplus(x), mask=i < n)
+
+
+def check_scores():
+    chunk = 1 << 28
+    bad = nan_mismatch = 0
+    first_bad = None
+    t0 = time.time()
+    for c in range(1 << 32 >> 28):
+        bits = torch.arange(c * chunk, (c + 1) * chunk, dtype=torch.int64, device=DEV)
+        bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)
+        x = bits.view(torch.float32)
+        want = torch.sqrt(torch.nn.functional.softplus(x))
+        got = torch.empty_like(x)
+        _scores_elementwise[(triton.cdiv(chunk, 1024),)](x, got, chunk, BLOCK=1024)
+        wn, gn = torch.isnan(want), torch.isnan(got)
+        nan_mismatch += int((wn != gn).sum())
+        diff = (want.view(torch.int32) != got.view(torch.int32)) & ~(wn & gn)
+        nb = int(diff.sum())
+        if nb and first_bad is None:
+            j = int(torch.nonzero(diff)[0])
+            first_bad = dict(x=float(x[j]), bits=hex(int(bits[j]) & 0xFFFFFFFF), torch=float(want[j]), kernel=float(got[j]))
+        bad += nb
+    emit(check="scores_exhaustive", patterns=1 << 32, mismatches=bad, nan_mismatch=nan_mismatch,
+         first_bad=str(first_bad), ok=bad == 0 and nan_mismatch == 0, seconds=time.time() - t0)
+    # the top-k kernel on the same logits: scores in-kernel vs by torch
+    g = torch.Generator(device=DEV).manual_seed(1)
+    for e, h in ((256, 4096), (384, 7168)):
+        w = (torch.randn(e, h, device=DEV, generator=g) * 0.02).bfloat16()
+        bias = torch.randn(e, device=DEV, generator=g) * 0.01
+        for t in (1, 37, 4096):
+            x = torch.randn(t, h, device=DEV, generator=g).bfloat16()
+            a = route_topk(x, w, bias, None, None, 6, 1.5, logits_impl="mm", scores_impl="kernel")
+            b = route_topk(x, w, bias, None, None, 6, 1.5, logits_impl="mm", scores_impl="torch")
+            ok = torch.equal(a[1], b[1]) and torch.equal(a[0].view(torch.int32), b[0].view(torch.int32))
+            emit(check="topk_scores_kernel_vs_torch", E=e, T=t, ok=ok)
+
+
+def check_ids():
+    g = torch.Generator(device=DEV).manual_seed(2)
+    for name, e, h in (("flash", 256, 4096), ("pro", 384, 7168)):
+        w = (torch.randn(e, h, device=DEV, generator=g) * 0.02).bfloat16()
+        bias = torch.randn(e, device=DEV, generator=g) * 0.01
+        tab = torch.stack([torch.randperm(e)[:6] for _ in range(1000)]).to(DEV)
+        for t in (1, 4, 16, 64, 1024):
+            x = torch.randn(t, h, device=DEV, generator=g).bfloat16()
+            lg = router_logits_gemv(x, w)
+            lm = router_logits(x, w)
+            exact = x.double() @ w.double().T
+            rel_g = float(((lg.double() - exact).abs() / exact.abs().clamp_min(1e-30)).max())
+            rel_m = float(((lm.double() - exact).abs() / exact.abs().clamp_min(1e-30)).max())
+            tw, ids = route_topk(x, w, bias, None, None, 6, 1.5)
+            rw, rids = ref.route(x.cpu(), w.cpu(), bias.cpu(), None, None, 6, 1.5)
+            mism = (ids.cpu().long() != rids).any(1)
+            biased = ref.router_scores(x.cpu(), w.cpu()) + bias.cpu()
+            top = biased.topk(7, dim=1).values
+            near_tie = (top[:, 5] - top[:, 6]).abs() <= 1e-5 * top[:, 5].abs()
+            okr = ~mism
+            wrel = float(((tw.cpu()[okr] - rw[okr]).abs() / rw[okr]).max()) if okr.any() else 0.0
+            emit(check="ids_vs_reference", shape=name, T=t, logits="gemv" if t <= GEMV_MAX_T else "mm",
+                 gemv_logit_rel=rel_g, mm_logit_rel=rel_m, id_mismatch_tokens=int(mism.sum()),
+                 off_tie=int((mism & ~near_tie).sum()), w_rel=wrel, ok=int((mism & ~near_tie).sum()) == 0 and wrel < 1e-5)
+            ids_in = torch.randint(0, 1000, (t,), device=DEV)
+            hw, hids = route_topk(x, w, None, tab, ids_in, 6, 1.5)
+            rhw, rhids = ref.route(x.cpu(), w.cpu(), None, tab.cpu(), ids_in.cpu(), 6, 1.5)
+            emit(check="hash_vs_reference", shape=name, T=t, ids_equal=torch.equal(hids.cpu().long(), rhids),
+                 w_rel=float(((hw.cpu() - rhw).abs() / rhw).max()))
+
+
+def graph_us(fn, reps=15, inner=20):
+    fn()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        for _ in range(inner):
+            fn()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        gr.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1000 / inner)
+    return sorted(ts)[len(ts) // 2]
+
+
+def time_router(budget_s):
+    g = torch.Generator(device=DEV).manual_seed(3)
+    t0 = time.time()
+    for name, e, h in (("flash", 256, 4096), ("pro", 384, 7168)):
+        copies = 32
+        ws = [(torch.randn(e, h, device=DEV, generator=g) * 0.02).bfloat16() for _ in range(copies)]
+        bias = torch.randn(e, device=DEV, generator=g) * 0.01
+        for t in (1, 2, 4, 8, 16, 32, 64, 256, 1024):
+            if time.time() - t0 > budget_s:
+                print("budget reached", flush=True)
+                return
+            xs = [torch.randn(t, h, device=DEV, generator=g).bfloat16() for _ in range(copies)]
+            variants = {
+                "s4 mm+torch": dict(logits_impl="mm", scores_impl="torch"),
+                "mm+kernel": dict(logits_impl="mm", scores_impl="kernel"),
+                "gemv+kernel": dict(logits_impl="gemv", scores_impl="kernel"),
+                "auto": {},
+            }
+            res = {}
+            for label, kw in variants.items():
+                def fn(kw=kw):
+                    for c in range(copies):
+                        route_topk(xs[c], ws[c], bias, None, None, 6, 1.5, **kw)
+                res[label] = graph_us(fn, inner=1) / copies
+            if t <= 64:
+                bt, be, bh, nw = gemv_blocks(t)
+                for blk in ((bt, 1, min(1024, bh * 2), 4), (bt, 4, max(64, bh // 2), 4), (bt, 2, bh, 8),
+                            (min(bt, 4), 2, bh, 4)):
+                    def fn2(blk=blk):
+                        for c in range(copies):
+                            router_logits_gemv(xs[c], ws[c], blocks=blk)
+                    res[f"gemv_only {blk}"] = graph_us(fn2, inner=1) / copies
+
+                def fn3():
+                    for c in range(copies):
+                        router_logits_gemv(xs[c], ws[c])
+                res[f"gemv_only default {gemv_blocks(t)}"] = graph_us(fn3, inner=1) / copies
+
+                def fn4():
+                    for c in range(copies):
+                        router_logits(xs[c], ws[c])
+                res["mm_only"] = graph_us(fn4, inner=1) / copies
+            for label, us in res.items():
+                emit(check="time", shape=name, T=t, variant=label, us=us, TBps=e * h * 2 / us / 1e6)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", default="scores,ids,time")
+    ap.add_argument("--budget-s", type=float, default=200)
+    args = ap.parse_args()
+    out = os.environ.get("OUT", "./out")
+    os.makedirs(out, exist_ok=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    parts = args.parts.split(",")
+    emit(check="env", device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+         commit=os.environ.get("DSV4_MOE_GIT_COMMIT", "?"))
+    if "scores" in parts:
+        check_scores()
+    if "ids" in parts:
+        check_ids()
+    if "time" in parts:
+        time_router(args.budget_s)
+    with open(os.path.join(out, "router.json"), "w") as f:
+        json.dump(ROWS, f, indent=1, default=str)
+    bad = [r for r in ROWS if r.get("ok") is False or r.get("ids_equal") is False]
+    print(f"{len(bad)} failed checks" if bad else "all router checks ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()
