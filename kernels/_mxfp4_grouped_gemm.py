@@ -40,8 +40,8 @@ versions) and the "mma64" operand loads live in `_mxfp4_dequant.py`.
 import triton
 import triton.language as tl
 
-from ._mxfp4_dequant import (_dequant_w, _dequant_w_asm, _dequant_w_swz_asm, _mma64_tile_ptrs, _mma64_unswizzle,
-                             _nibbles_to_f32)
+from ._mxfp4_dequant import (_dequant_w, _dequant_w_asm, _dequant_w_fp8, _dequant_w_swz_asm, _mma64_tile_ptrs,
+                             _mma64_unswizzle, _nibbles_to_f32)
 from ._triton_utils import round_to_bf16
 
 
@@ -68,6 +68,8 @@ def _mxfp4_grouped_gemm_kernel(
     ASM: tl.constexpr = False,          # bf16 weights built by inline PTX (_dequant_w), GPU only
     W_SWZ: tl.constexpr = False,        # weights in the "mma64" layout (weights/mma_layout.py);
                                         # needs SCALE_BCAST, BLOCK_N % 64 == 0 and K % 128 == 0
+    MMA_FP8: tl.constexpr = False,      # FP8 MMA (_dequant_w_fp8); activations in [64 even | 64 odd]
+                                        # fp8 pairs per 128-block; needs SCALE_BCAST and K % 128 == 0
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -94,7 +96,9 @@ def _mxfp4_grouped_gemm_kernel(
     kh = tl.arange(0, 64)
     k4 = tl.arange(0, 4)
     kk = tl.arange(0, 128)
-    if A_SPLIT:
+    if MMA_FP8:
+        a_ptrs = a_ptr + arow[:, None] * stride_am + kh[None, :]
+    elif A_SPLIT:
         a_ptrs = a_ptr + arow[:, None] * stride_am + kk[None, :]
     else:
         a_ptrs = a_ptr + arow[:, None] * stride_am + 2 * kh[None, :]
@@ -114,7 +118,10 @@ def _mxfp4_grouped_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in tl.range(0, (K + 127) // 128, num_stages=NUM_STAGES):
         k0 = kb * 128
-        if A_SPLIT:
+        if MMA_FP8:
+            a_even = tl.load(a_ptrs + k0)
+            a_odd = tl.load(a_ptrs + k0 + 64)
+        elif A_SPLIT:
             a = tl.load(a_ptrs + k0, mask=(k0 + kk)[None, :] < K, other=0.0)
             a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, 64, 2)))
         else:
@@ -130,7 +137,10 @@ def _mxfp4_grouped_gemm_kernel(
         else:
             packed_u8 = tl.load(w_ptrs + k0 // 2, mask=kmask, other=0)
         packed = packed_u8.to(tl.int32)
-        if SCALE_BCAST:
+        if MMA_FP8:
+            sb4 = tl.load(sw_ptrs + k0 // 32)
+            w_lo, w_hi, s_ref = _dequant_w_fp8(packed_u8, sb4, BLOCK_N, SOFTWARE_BF16, ASM)
+        elif SCALE_BCAST:
             sb4 = tl.load(sw_ptrs + k0 // 32, mask=(k0 // 32 + k4)[None, :] < K // 32, other=127)
             if ASM and W_SWZ:
                 w_lo, w_hi = _dequant_w_swz_asm(packed_u8, sb4, BLOCK_N)
@@ -159,15 +169,22 @@ def _mxfp4_grouped_gemm_kernel(
         if SOFTWARE_BF16:
             # NOTE: the Triton 3.6 interpreter multiplies bf16 dot operands as raw integers
             # (measured: errors ~1e10); fp32 operands hold the same exact values there.
+            # (The FP8 path too: every product is exact in fp32, the sum order is free.)
             part = tl.dot(a_even.to(tl.float32), b_lo.to(tl.float32), input_precision="ieee")
             part = tl.dot(a_odd.to(tl.float32), b_hi.to(tl.float32), part, input_precision="ieee")
         elif DIAG == 2:  # probe: no MMA (isolates load + conversion cost)
             part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) + tl.sum(b_lo.to(tl.float32) + b_hi.to(tl.float32), axis=0)[None, :] + tl.sum(a_even.to(tl.float32) + a_odd.to(tl.float32), axis=1)[:, None]
+        elif MMA_FP8:
+            part = tl.dot(a_even, b_lo)
+            part = tl.dot(a_odd, b_hi, part)
         else:
             part = tl.dot(a_even.to(tl.bfloat16), b_lo)
             part = tl.dot(a_odd.to(tl.bfloat16), b_hi, part)
         s_a = tl.load(sa_ptrs + kb)
-        acc += part * s_a[:, None]
+        if MMA_FP8:
+            acc += part * (s_a[:, None] * s_ref[None, :])
+        else:
+            acc += part * s_a[:, None]
 
     if OUT_SCATTER:
         orow = tl.where(row_ok, route, 0).to(tl.int64)
