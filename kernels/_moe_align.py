@@ -17,6 +17,12 @@ Three launches, no host sync, sizes fixed by shapes only (CUDA-graph capturable)
    local expert and (optionally) the route weight, for the filtered SwiGLU. Blocks: the
    expert of each M-block (-1 past the valid ones) and, in every row that holds no route
    (expert padding and whole unused blocks), the sentinel R, expert -1 and weight 0.
+
+Decode (R <= BLOCK routes, one chunk, max_rows <= SMALL_MAX_ROWS): `_align_small_kernel`
+does all three steps in one program and one launch: every row first gets the sentinel
+R / -1 / 0, then (after a barrier, which orders the program's global writes) the routes
+overwrite their rows; each valid M-block's expert is written by the routes it holds
+(every valid block holds at least one), the others get -1. Same outputs, bit for bit.
 """
 
 import triton
@@ -115,3 +121,46 @@ def _align_scatter_kernel(ids_ptr, route_rows_ptr, chunk_base_ptr, expert_counts
     tl.store(row_expert_ptr + rows, tl.full([BB, BLOCK_M], -1, tl.int32), mask=pad)
     if HAS_WEIGHTS:
         tl.store(row_weight_ptr + rows, tl.zeros([BB, BLOCK_M], tl.float32), mask=pad)
+
+
+@triton.jit
+def _align_small_kernel(ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, expert_offsets_ptr,
+                        num_blocks_ptr, sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_weight_ptr,
+                        R, first_expert, num_local, max_blocks,
+                        HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                        E_PAD: tl.constexpr, ROWS_PAD: tl.constexpr, MB_PAD: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    in_r = i < R
+    key, local = _local_key(ids_ptr, i, in_r, first_expert, num_local)
+    same = (key[:, None] == key[None, :]) & (i[None, :] < i[:, None]) & local[None, :]
+    rank = tl.sum(same.to(tl.int32), axis=1)
+    ecol = tl.arange(0, E_PAD)
+    is_e = ecol < num_local
+    cnt = tl.sum((key[:, None] == ecol[None, :]).to(tl.int32), axis=0)
+    padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    offs = tl.cumsum(padded, axis=0) - padded
+    total = tl.sum(padded, axis=0)
+    tl.store(expert_counts_ptr + ecol, cnt, mask=is_e)
+    tl.store(expert_offsets_ptr + ecol, offs, mask=is_e)
+    one = tl.arange(0, 1)
+    tl.store(expert_offsets_ptr + num_local + one, tl.zeros([1], tl.int32) + total)
+    nvb = total // BLOCK_M
+    tl.store(num_blocks_ptr + one, tl.zeros([1], tl.int32) + nvb)
+    # every row: the sentinel (rows holding a route are overwritten below)
+    rows = tl.arange(0, ROWS_PAD)
+    in_rows = rows < max_blocks * BLOCK_M
+    tl.store(sorted_ids_ptr + rows, tl.zeros([ROWS_PAD], tl.int32) + R, mask=in_rows)
+    tl.store(row_expert_ptr + rows, tl.full([ROWS_PAD], -1, tl.int32), mask=in_rows)
+    if HAS_WEIGHTS:
+        tl.store(row_weight_ptr + rows, tl.zeros([ROWS_PAD], tl.float32), mask=in_rows)
+    b = tl.arange(0, MB_PAD)
+    tl.store(block_expert_ptr + b, tl.full([MB_PAD], -1, tl.int32), mask=(b < max_blocks) & (b >= nvb))
+    tl.debug_barrier()
+    off = tl.load(expert_offsets_ptr + key, mask=local, other=0)
+    dest = off + rank
+    tl.store(sorted_ids_ptr + dest, i, mask=local)
+    tl.store(row_expert_ptr + dest, key, mask=local)
+    if HAS_WEIGHTS:
+        tl.store(row_weight_ptr + dest, tl.load(topk_w_ptr + i, mask=local, other=0.0), mask=local)
+    tl.store(route_rows_ptr + i, tl.where(local, dest, -1), mask=in_r)
+    tl.store(block_expert_ptr + dest // BLOCK_M, key, mask=local)

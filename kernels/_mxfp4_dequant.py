@@ -6,9 +6,6 @@ e8m0 scales -> exact bf16 weights, and the "mma64" weight-tile loads.
                          tiles e2m1 * 2^(s-127) (what the interpreter runs)
     _dequant_w_asm       the same values as bf16 by inline PTX (GPU only), any layout
     _dequant_w_swz_asm   the same values, cheaper PTX (used with "mma64" weights)
-    _dequant_w_fp8       the same codes as e4m3 with each 32-group's scale folded relative to
-                         the row's largest scale in the 128-block (+ that scale, fp32);
-                         ASM=True builds the e4m3 bytes by inline PTX (f16x2 + one cvt per pair)
     _mma64_tile_ptrs     pointers to a program's 64-row tiles of one 128-block ("mma64")
     _mma64_unswizzle     stored "mma64" bytes -> the [BLOCK_N, 64] packed tile
 
@@ -19,8 +16,6 @@ H200 against `_dequant_w` (scripts/gpu_probe_swz.py, asm_vs_plain).
 
 import triton
 import triton.language as tl
-
-from ._triton_utils import cast_e4m3_bytes
 
 
 @triton.jit
@@ -196,85 +191,3 @@ def _dequant_w(packed, sb4, BLOCK_N: tl.constexpr, SELECT_SUBNORMAL: tl.constexp
     w_lo = tl.reshape(tl.reshape(f_lo, (BLOCK_N, 4, 16)) * sc4[:, :, None], (BLOCK_N, 64))
     w_hi = tl.reshape(tl.reshape(f_hi, (BLOCK_N, 4, 16)) * sc4[:, :, None], (BLOCK_N, 64))
     return w_lo, w_hi
-
-
-# e2m1 pairs -> e4m3x2 with the group's relative scale 2^-d folded in (GPU only). Per 4
-# packed bytes ($2) and their scales as f16x2 2^(14-d) ($3..$6, both halves equal, one
-# per element): bytes go to the high byte of each 16-bit half (x = [b1 0 b0 0]); the low
-# nibble's magnitude moves to f16 bits 9..11 and its sign to bit 15, the high nibble's
-# magnitude likewise (its sign already sits at bit 15): an f16 with magnitude code c at bits
-# 9..11 is exactly e2m1(c) * 2^-14 (c = 1 lands on the f16 subnormal 2^-15), times 2^(14-d)
-# exactly e2m1(c) * 2^-d, which e4m3 holds for d <= 8 (least subnormal 2^-9), so the
-# satfinite RNE convert is exact. $0 = the 4 low-nibble (even k) codes, $1 = the 4 high.
-_E2M1X4_TO_E4M3_ASM = tl.constexpr("""
-{
-.reg .b32 x, y, t, u, sa, sb, l01, h01, l23, h23;
-.reg .b16 c0, c1, c2, c3;
-prmt.b32 x, $2, 0, 0x1404;
-prmt.b32 y, $2, 0, 0x3424;
-prmt.b32 sa, $3, $4, 0x5410;
-prmt.b32 sb, $5, $6, 0x5410;
-shl.b32 t, x, 1;
-shl.b32 u, x, 4;
-and.b32 t, t, 0x0E000E00;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.rn.f16x2 l01, t, sa;
-shr.b32 t, x, 3;
-and.b32 t, t, 0x0E000E00;
-and.b32 u, x, 0x80008000;
-or.b32 t, t, u;
-mul.rn.f16x2 h01, t, sa;
-shl.b32 t, y, 1;
-shl.b32 u, y, 4;
-and.b32 t, t, 0x0E000E00;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.rn.f16x2 l23, t, sb;
-shr.b32 t, y, 3;
-and.b32 t, t, 0x0E000E00;
-and.b32 u, y, 0x80008000;
-or.b32 t, t, u;
-mul.rn.f16x2 h23, t, sb;
-cvt.rn.satfinite.e4m3x2.f16x2 c0, l01;
-cvt.rn.satfinite.e4m3x2.f16x2 c1, l23;
-mov.b32 $0, {c0, c1};
-cvt.rn.satfinite.e4m3x2.f16x2 c2, h01;
-cvt.rn.satfinite.e4m3x2.f16x2 c3, h23;
-mov.b32 $1, {c2, c3};
-}
-""")
-
-
-@triton.jit
-def _dequant_w_fp8(packed, sb4, BLOCK_N: tl.constexpr, SOFTWARE: tl.constexpr, ASM: tl.constexpr = False):
-    """Packed [BLOCK_N, 64] bytes + [BLOCK_N, 4] e8m0 bytes of one 128-block ->
-    (e4m3 even-k tile, e4m3 odd-k tile, fp32 2^(s_ref - 127) per row), where s_ref is the
-    row's largest scale byte among the block's four 32-groups and each code becomes
-    e2m1 * 2^(s_j - s_ref): e2m1(c) * 2^-126 (the bits, _nibbles_to_f32) times the exact
-    2^(126 - d), d = s_ref - s_j, then an exact e4m3 cast. Exact for d <= 8 (e4m3 holds
-    0.5 * 2^-8 = 2^-9, its least subnormal, and 1.5 * 2^-8 = 3 * 2^-9); larger d is exact
-    only for zero codes, so callers check the weights first (`fp8_fold_ok`)."""
-    sb = sb4.to(tl.int32)
-    sref = tl.max(sb, axis=1)
-    d = sref[:, None] - sb
-    if ASM:
-        s16 = (29 - tl.minimum(d, 28)) << 10                         # f16 2^(14 - d), normal
-        s3 = tl.broadcast_to((s16 * 0x10001)[:, :, None], (BLOCK_N, 4, 16))
-        p3 = tl.reshape(packed.to(tl.uint8), (BLOCK_N, 4, 16))
-        q_lo, q_hi = tl.inline_asm_elementwise(
-            _E2M1X4_TO_E4M3_ASM, "=r,=r,r,r,r,r,r", [p3, s3],
-            dtype=(tl.float8e4nv, tl.float8e4nv), is_pure=True, pack=4)
-        q_lo = tl.reshape(q_lo, (BLOCK_N, 64))
-        q_hi = tl.reshape(q_hi, (BLOCK_N, 64))
-    else:
-        mult = ((253 - d) << 23).to(tl.float32, bitcast=True)      # 2^(126 - d), normal for d <= 252
-        p32 = packed.to(tl.int32)
-        f_lo, f_hi = _nibbles_to_f32(p32, p32, False)
-        w_lo = tl.reshape(tl.reshape(f_lo, (BLOCK_N, 4, 16)) * mult[:, :, None], (BLOCK_N, 64))
-        w_hi = tl.reshape(tl.reshape(f_hi, (BLOCK_N, 4, 16)) * mult[:, :, None], (BLOCK_N, 64))
-        q_lo = cast_e4m3_bytes(w_lo, SOFTWARE).to(tl.float8e4nv, bitcast=True)
-        q_hi = cast_e4m3_bytes(w_hi, SOFTWARE).to(tl.float8e4nv, bitcast=True)
-    # 2^(s_ref - 127) as fp32: the bits s_ref << 23, except s_ref = 0 (2^-127, subnormal)
-    s_f = tl.where(sref == 0, 5.877471754111438e-39, (sref << 23).to(tl.float32, bitcast=True))
-    return q_lo, q_hi, s_f

@@ -22,7 +22,13 @@ Why bf16 MMA and not FP8 MMA: every product q * e2m1 * 2^s is exact in fp32 eith
 but Hopper's FP8 wgmma keeps only ~14 bits while accumulating inside the instruction
 (measured on the H200: 1.5-2.6% of bf16 outputs off the reference at M >= 64 tiles),
 and applying the per-32 weight scale after an FP8 MMA needs a K=32 MMA per scale group
-(measured 0.4-0.5 TB/s). Folding the e8m0 scale into a bf16 weight is exact for scale
+(measured 0.4-0.5 TB/s). NOTE (session 5, commit 239523e, reverted): an FP8 tile body
+that folds each 32-group's scale into the e4m3 weight relative to the row's largest scale
+in the 128-block (exact for spreads <= 8; PTX via f16x2 + cvt.e4m3x2) and runs FP8 wgmma
+was measured at T = 4096 (docs/bench/2026-11-29/session5/probe_fp8_tile_239523e.txt):
+never faster (Flash gate_up 4097-5586 us vs 4152 for this bf16 body, Pro-TP8 down 1093-1932
+vs 938) and 4.5-6.2 % of outputs off this body's: the prefill tile is not bound by the
+MMA rate. Folding the e8m0 scale into a bf16 weight is exact for scale
 bytes in [0, 128] (the fp32 factor 2^(s-1) must be a normal fp32; real checkpoints sit
 near 120), so one 128-deep bf16 MMA per activation block does the
 whole block. NOTE: SPEC §4.3 makes the 32-wide sub-block the unit (`acc += partial_j *
@@ -40,8 +46,8 @@ versions) and the "mma64" operand loads live in `_mxfp4_dequant.py`.
 import triton
 import triton.language as tl
 
-from ._mxfp4_dequant import (_dequant_w, _dequant_w_asm, _dequant_w_fp8, _dequant_w_swz_asm, _mma64_tile_ptrs,
-                             _mma64_unswizzle, _nibbles_to_f32)
+from ._mxfp4_dequant import (_dequant_w, _dequant_w_asm, _dequant_w_swz_asm, _mma64_tile_ptrs, _mma64_unswizzle,
+                             _nibbles_to_f32)
 from ._triton_utils import round_to_bf16
 
 
@@ -68,8 +74,6 @@ def _mxfp4_grouped_gemm_kernel(
     ASM: tl.constexpr = False,          # bf16 weights built by inline PTX (_dequant_w), GPU only
     W_SWZ: tl.constexpr = False,        # weights in the "mma64" layout (weights/mma_layout.py);
                                         # needs SCALE_BCAST, BLOCK_N % 64 == 0 and K % 128 == 0
-    MMA_FP8: tl.constexpr = False,      # FP8 MMA (_dequant_w_fp8); activations in [64 even | 64 odd]
-                                        # fp8 pairs per 128-block; needs SCALE_BCAST and K % 128 == 0
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -96,9 +100,7 @@ def _mxfp4_grouped_gemm_kernel(
     kh = tl.arange(0, 64)
     k4 = tl.arange(0, 4)
     kk = tl.arange(0, 128)
-    if MMA_FP8:
-        a_ptrs = a_ptr + arow[:, None] * stride_am + kh[None, :]
-    elif A_SPLIT:
+    if A_SPLIT:
         a_ptrs = a_ptr + arow[:, None] * stride_am + kk[None, :]
     else:
         a_ptrs = a_ptr + arow[:, None] * stride_am + 2 * kh[None, :]
@@ -118,10 +120,7 @@ def _mxfp4_grouped_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in tl.range(0, (K + 127) // 128, num_stages=NUM_STAGES):
         k0 = kb * 128
-        if MMA_FP8:
-            a_even = tl.load(a_ptrs + k0)
-            a_odd = tl.load(a_ptrs + k0 + 64)
-        elif A_SPLIT:
+        if A_SPLIT:
             a = tl.load(a_ptrs + k0, mask=(k0 + kk)[None, :] < K, other=0.0)
             a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, 64, 2)))
         else:
@@ -137,10 +136,7 @@ def _mxfp4_grouped_gemm_kernel(
         else:
             packed_u8 = tl.load(w_ptrs + k0 // 2, mask=kmask, other=0)
         packed = packed_u8.to(tl.int32)
-        if MMA_FP8:
-            sb4 = tl.load(sw_ptrs + k0 // 32)
-            w_lo, w_hi, s_ref = _dequant_w_fp8(packed_u8, sb4, BLOCK_N, SOFTWARE_BF16, ASM)
-        elif SCALE_BCAST:
+        if SCALE_BCAST:
             sb4 = tl.load(sw_ptrs + k0 // 32, mask=(k0 // 32 + k4)[None, :] < K // 32, other=127)
             if ASM and W_SWZ:
                 w_lo, w_hi = _dequant_w_swz_asm(packed_u8, sb4, BLOCK_N)
@@ -169,22 +165,15 @@ def _mxfp4_grouped_gemm_kernel(
         if SOFTWARE_BF16:
             # NOTE: the Triton 3.6 interpreter multiplies bf16 dot operands as raw integers
             # (measured: errors ~1e10); fp32 operands hold the same exact values there.
-            # (The FP8 path too: every product is exact in fp32, the sum order is free.)
             part = tl.dot(a_even.to(tl.float32), b_lo.to(tl.float32), input_precision="ieee")
             part = tl.dot(a_odd.to(tl.float32), b_hi.to(tl.float32), part, input_precision="ieee")
         elif DIAG == 2:  # probe: no MMA (isolates load + conversion cost)
             part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) + tl.sum(b_lo.to(tl.float32) + b_hi.to(tl.float32), axis=0)[None, :] + tl.sum(a_even.to(tl.float32) + a_odd.to(tl.float32), axis=1)[:, None]
-        elif MMA_FP8:
-            part = tl.dot(a_even, b_lo)
-            part = tl.dot(a_odd, b_hi, part)
         else:
             part = tl.dot(a_even.to(tl.bfloat16), b_lo)
             part = tl.dot(a_odd.to(tl.bfloat16), b_hi, part)
         s_a = tl.load(sa_ptrs + kb)
-        if MMA_FP8:
-            acc += part * (s_a[:, None] * s_ref[None, :])
-        else:
-            acc += part * s_a[:, None]
+        acc += part * s_a[:, None]
 
     if OUT_SCATTER:
         orow = tl.where(row_ok, route, 0).to(tl.int64)

@@ -23,8 +23,10 @@ def _sqrt_softplus(logit):
     """sqrt(softplus(logit)) in fp32 with torch's CUDA formula and rounding (GPU only:
     libdevice): softplus(x) = x if x > 20 else log1p(exp(x)) (beta 1, threshold 20; the
     `/ beta` of torch's kernel is exact), then the IEEE square root. Bitwise equal to
-    `torch.sqrt(F.softplus(x))` on the H200 for every fp32 input (all 2^32 bit patterns
-    checked by scripts/gpu_check_routed.py --parts scores)."""
+    `torch.sqrt(F.softplus(x))` on the H200 for every fp32 input when the kernel is
+    compiled with `enable_reflect_ftz=False` (libdevice without flush-to-zero, as nvcc
+    builds torch; route_topk does): all 2^32 bit patterns checked by
+    scripts/gpu_check_router.py --parts scores."""
     sp = tl.where(logit > 20.0, logit, libdevice.log1p(libdevice.exp(logit)))
     return tl.sqrt_rn(sp)
 

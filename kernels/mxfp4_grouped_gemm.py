@@ -36,7 +36,7 @@ import torch
 
 from .moe_align import MoeAlignment
 
-__all__ = ["GemmConfig", "select_config", "gemv_config", "mxfp4_grouped_gemm", "fp8_pairs", "fp8_fold_ok"]
+__all__ = ["GemmConfig", "select_config", "gemv_config", "mxfp4_grouped_gemm"]
 
 
 @dataclass(frozen=True)
@@ -70,13 +70,6 @@ class GemmConfig:
     # bitwise the default. routed_configs turns it on for gate_up where the H200 measured
     # a gain (session 5: 3-10 %); a conversion fused into act_quant would save its launches.
     a_bf16: bool = False
-    # "tile" only: FP8 MMA. Each 32-group's e8m0 scale folds into the e4m3 weight relative
-    # to the row's largest scale in the 128-block (exact when those differ by <= 8, which
-    # the caller must check: `fp8_fold_ok`), activations go to the MMA as e4m3 in
-    # [64 even | 64 odd] pairs per 128-block, and acc += part * sa * 2^(s_ref - 127).
-    # The products are exact; Hopper's FP8 MMA sums them with reduced precision inside an
-    # instruction, so this is NOT bitwise the bf16 bodies (probe: share of outputs off).
-    mma_fp8: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("tile", "swap", "gemv"):
@@ -90,9 +83,6 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.block_n={self.block_n}: expected 16, 32, 64, 128 or 256")
         if self.a_bf16 and self.kind != "swap":
             raise ValueError(f"GemmConfig.a_bf16=True needs kind 'swap', got kind={self.kind!r}")
-        if self.mma_fp8 and (self.kind != "tile" or not self.scale_bcast):
-            raise ValueError(f"GemmConfig.mma_fp8=True needs kind 'tile' and scale_bcast, got kind={self.kind!r} "
-                             f"scale_bcast={self.scale_bcast}")
         if not isinstance(self.split_k, int) or self.split_k < 1 or (self.split_k > 1 and self.kind == "tile"):
             raise ValueError(f"GemmConfig.split_k={self.split_k!r}: expected an int >= 1 (1 for kind 'tile')")
 
@@ -239,10 +229,6 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
         if k % 128:
             raise ValueError(f"config.a_bf16=True: K={k} must be a multiple of 128")
         q = bf16_pairs(q)
-    if cfg.mma_fp8:
-        if k % 128:
-            raise ValueError(f"config.mma_fp8=True: K={k} must be a multiple of 128")
-        q = fp8_pairs(q)
     if cfg.kind != "tile":
         return _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz)
     grid = (align.max_blocks, triton.cdiv(n, cfg.block_n))
@@ -256,7 +242,7 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         SOFTWARE_BF16=interpreting(),
         A_SPLIT=cfg.a_split, W_KN=cfg.w_kn, SCALE_BCAST=cfg.scale_bcast, DIAG=cfg.diag,
-        ASM=cfg.asm and cfg.scale_bcast and not interpreting(), W_SWZ=swz, MMA_FP8=cfg.mma_fp8,
+        ASM=cfg.asm and cfg.scale_bcast and not interpreting(), W_SWZ=swz,
         num_warps=cfg.num_warps,
     )
     return out
@@ -267,26 +253,6 @@ def bf16_pairs(q: torch.Tensor) -> torch.Tensor:
     odd k: the swap body's second operand when GemmConfig.a_bf16 is set."""
     m, k = q.shape
     return q.to(torch.bfloat16).view(m, k // 128, 64, 2).transpose(2, 3).reshape(m, k)
-
-
-def fp8_pairs(q: torch.Tensor) -> torch.Tensor:
-    """[M, K] e4m3 -> [M, K] e4m3 with each 128-block as its 64 even k then its 64 odd k
-    (the FP8 tile body's activation operand, GemmConfig.mma_fp8)."""
-    m, k = q.shape
-    return q.view(torch.uint8).view(m, k // 128, 64, 2).transpose(2, 3).reshape(m, k).view(torch.float8_e4m3fn)
-
-
-def fp8_fold_ok(sw: torch.Tensor, w4: torch.Tensor | None = None) -> bool:
-    """Whether the FP8 tile body's relative scale folding is exact for these weights: in
-    every row's 128-block the four e8m0 bytes differ from their largest by <= 8 (checked on
-    the bytes; one host sync). `w4` is not needed for the sufficient condition; a block that
-    fails it would still be exact if its small-scale groups held only zero codes, which
-    this check does not credit (conservative)."""
-    e, n, g = sw.shape
-    if g % 4:
-        return False
-    b = sw.view(torch.uint8).view(e, n, g // 4, 4).int()
-    return bool(((b.amax(-1) - b.amin(-1)) <= 8).all())
 
 
 def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz):

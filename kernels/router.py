@@ -38,9 +38,15 @@ import torch
 __all__ = ["route_topk", "router_logits", "router_logits_gemv", "gemv_blocks", "GEMV_MAX_T"]
 
 _E_MAX = 4096  # one register vector per token; DeepSeek-V4 has E <= 384
-# NOTE: the logits GEMV replaces cuBLAS up to this many tokens (H200 probe, see
-# gpu_check_routed.py --parts router_impl; re-measure when changing the GEMV blocks).
-GEMV_MAX_T = 16
+# NOTE: the logits GEMV replaces cuBLAS up to this many tokens. H200, CUDA graphs, gate
+# weights rotated over 32 copies (docs/bench/2026-11-29/session5/check_router_239523e.txt),
+# whole router in us, cuBLAS + in-kernel scores vs GEMV + in-kernel scores:
+#   Flash (E 256, H 4096)  T=1 10.95 vs 7.52, T=2 10.98 vs 7.71, T=4 10.93 vs 8.07,
+#                          T=8 11.08 vs 11.17, T=16 11.13 vs 13.09
+#   Pro   (E 384, H 7168)  T=1 11.71 vs 9.47, T=2 11.64 vs 9.90, T=4 11.72 vs 11.19,
+#                          T=8 11.93 vs 18.98
+# (the session-4 router, cuBLAS + torch softplus + sqrt + top-k: 14.2-15.3 us at T <= 4).
+GEMV_MAX_T = 4
 _LOGITS_IMPLS = ("auto", "gemv", "mm")
 _SCORES_IMPLS = ("auto", "kernel", "torch")
 _MM_OUT_DTYPE_OK: dict[str, bool] = {}
@@ -73,11 +79,11 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def gemv_blocks(t: int) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_E, BLOCK_H, num_warps) of the logits GEMV for T tokens: 2 gate rows
-    per program (128-192 programs for E = 256-384), up to 8 tokens per program, and the
-    [BLOCK_T, BLOCK_E, BLOCK_H] product at 64 fp32 per thread."""
+    """(BLOCK_T, BLOCK_E, BLOCK_H, num_warps) of the logits GEMV for T tokens: 1-2 gate rows
+    per program (128-384 programs for E = 256-384), up to 8 tokens per program, and the
+    [BLOCK_T, BLOCK_E, BLOCK_H] product at <= 64 fp32 per thread."""
     bt = min(8, 1 << max(0, t - 1).bit_length())
-    be = 2
+    be = 1 if t == 1 else 2  # NOTE: T=1 Flash 3.71 -> 3.54 us, Pro 5.23 -> 5.11 with one gate row
     bh = max(64, min(1024, 8192 // (bt * be)))
     return bt, be, bh, 4
 
@@ -168,5 +174,9 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(e),
         HAS_BIAS=bias is not None, HASH=hashed, APPLY_SCORES=apply_scores,
         num_warps=4 if e > 256 else 2,
+        # NOTE: libdevice without flush-to-zero, as nvcc builds torch: with Triton's default
+        # (ftz) the scores of 2,180,453 fp32 logits in [-103.97, -87.34] (torch's softplus
+        # is subnormal there) came out 0 instead of torch's value (exhaustive H200 check)
+        enable_reflect_ftz=False,
     )
     return out_w, out_ids

@@ -1,6 +1,7 @@
-"""H200 check + probe of the router (kernels/router.py): in-kernel scores and the logits GEMV.
+"""H200 check + probe of the decode front end: the router (kernels/router.py: in-kernel
+scores, the logits GEMV) and moe_align's one-launch decode kernel.
 
-    OUT=./out python3 scripts/gpu_check_router.py [--parts scores,ids,time] [--budget-s 200]
+    OUT=./out python3 scripts/gpu_check_router.py [--parts scores,ids,align,time] [--budget-s 200]
 
 scores  every fp32 bit pattern (2^32, in chunks): `_sqrt_softplus` (libdevice log1p/exp,
         IEEE sqrt) against torch.sqrt(F.softplus(x)) on the same GPU; must be bitwise
@@ -9,6 +10,8 @@ scores  every fp32 bit pattern (2^32, in chunks): `_sqrt_softplus` (libdevice lo
 ids     route_topk (auto: GEMV logits for T <= GEMV_MAX_T, in-kernel scores) against the
         reference on the CPU, Flash and Pro gate shapes, biased and hash routing: share of
         tokens whose ids differ, and whether each differing token is a near-tie.
+align   moe_align impl="small" (one launch) == impl="chunked" (three) on the GPU, every
+        output, T = 1..10 at Flash / Pro-TP8 / EP shapes; and their CUDA-graph times.
 time    CUDA-graph replay, gate weights rotated over 32 copies (so the 60 MB L2 does not
         hold them): the session-4 router (cuBLAS + torch softplus/sqrt + top-k) against
         cuBLAS + in-kernel scores and GEMV + in-kernel scores, and GEMV block variants.
@@ -111,6 +114,26 @@ def check_ids():
                  w_rel=float(((hw.cpu() - rhw).abs() / rhw).max()))
 
 
+def check_align():
+    from dsv4_moe.kernels.moe_align import moe_align
+    fields = ("sorted_route_ids", "block_expert", "num_valid_blocks", "expert_offsets", "expert_counts",
+              "route_rows", "row_expert", "row_weight")
+    g = torch.Generator().manual_seed(4)
+    for e, first, num_local, bm in ((256, 0, 256, 16), (384, 0, 384, 16), (384, 96, 48, 16), (256, 0, 256, 1),
+                                    (256, 0, 256, 64)):
+        for t in (1, 2, 4, 7, 10):
+            ids = torch.stack([torch.randperm(e, generator=g)[:6] for _ in range(t)]).sort(1).values.int().to(DEV)
+            tw = torch.rand(t, 6, generator=g).to(DEV)
+            a = moe_align(ids, num_local, first, bm, tw, impl="small")
+            b = moe_align(ids, num_local, first, bm, tw, impl="chunked")
+            ok = all(torch.equal(getattr(a, f), getattr(b, f)) for f in fields)
+            row = dict(check="align_small_vs_chunked", E=e, first=first, local=num_local, bm=bm, T=t, ok=ok)
+            if t in (1, 4) and bm == 16 and first == 0:
+                row["small_us"] = graph_us(lambda: moe_align(ids, num_local, first, bm, tw, impl="small"))
+                row["chunked_us"] = graph_us(lambda: moe_align(ids, num_local, first, bm, tw, impl="chunked"))
+            emit(**row)
+
+
 def graph_us(fn, reps=15, inner=20):
     fn()
     s = torch.cuda.Stream()
@@ -181,7 +204,7 @@ def time_router(budget_s):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="scores,ids,time")
+    ap.add_argument("--parts", default="scores,ids,align,time")
     ap.add_argument("--budget-s", type=float, default=200)
     args = ap.parse_args()
     out = os.environ.get("OUT", "./out")
@@ -194,6 +217,8 @@ def main():
         check_scores()
     if "ids" in parts:
         check_ids()
+    if "align" in parts:
+        check_align()
     if "time" in parts:
         time_router(args.budget_s)
     with open(os.path.join(out, "router.json"), "w") as f:

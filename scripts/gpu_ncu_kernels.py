@@ -31,12 +31,15 @@ def main() -> None:
     ap.add_argument("--layout", default="nk", choices=("nk", "mma64"), help="routed weight byte order")
     ap.add_argument("--tokens", default="1", help="comma-separated T for the routed GEMMs")
     ap.add_argument("--routed-only", action="store_true")
+    ap.add_argument("--shapes", default="flash_up,flash_down,pro_up", help="routed GEMM cases to run")
     args = ap.parse_args()
     from dsv4_moe.weights.mma_layout import to_mma64
 
     g = torch.Generator(device=DEV).manual_seed(0)
     for name, n, k, e, gather in (("flash_up", 4096, 4096, 256, True), ("flash_down", 4096, 2048, 256, False),
                                   ("pro_up", 768, 7168, 384, True)):
+        if name not in args.shapes.split(","):
+            continue
         w, s = random_mxfp4_weight((e, n, k), generator=g)
         if args.layout == "mma64":
             w = to_mma64(w)

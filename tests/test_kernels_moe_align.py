@@ -16,8 +16,8 @@ def _ids(t, k, e, seed):
     return torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).sort(1).values.int()
 
 
-def _check(ids, num_local, first, bm, tw=None):
-    a = moe_align(ids, num_local, first, bm, tw)
+def _check(ids, num_local, first, bm, tw=None, impl="auto"):
+    a = moe_align(ids, num_local, first, bm, tw, impl=impl)
     t, k = ids.shape
     r = t * k
     flat = ids.flatten().long()
@@ -56,6 +56,36 @@ def test_invariants(t, k, e, bm):
     ids = _ids(t, k, e, t)
     tw = torch.rand(t, k)
     _check(ids, e, 0, bm, tw)
+
+
+FIELDS = ("sorted_route_ids", "block_expert", "num_valid_blocks", "expert_offsets", "expert_counts",
+          "route_rows", "row_expert", "row_weight")
+
+
+@pytest.mark.parametrize("t,k,e,first,num_local,bm,weights", [
+    (1, 6, 256, 0, 256, 16, True),      # Flash decode
+    (2, 6, 384, 0, 384, 1, False),      # GEMV alignment (block_m 1)
+    (10, 6, 32, 8, 8, 16, True),        # 60 routes, EP rank owning experts 8..15
+    (4, 6, 16, 0, 16, 64, True),        # fewer experts than routes, big blocks
+    (3, 2, 8, 0, 8, 4, False)])
+def test_small_path_equals_chunked(t, k, e, first, num_local, bm, weights):
+    """The one-launch decode kernel: the invariants, and every output equal to the
+    three-launch path's (padding, sentinels and unused blocks included)."""
+    ids = _ids(t, k, e, t + e)
+    tw = torch.rand(t, k) if weights else None
+    a = _check(ids, num_local, first, bm, tw, impl="small")
+    b = _check(ids, num_local, first, bm, tw, impl="chunked")
+    for f in FIELDS:
+        x, y = getattr(a, f), getattr(b, f)
+        assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), f
+
+
+def test_small_path_limits():
+    ids = _ids(11, 6, 16, 0)   # 66 routes > 64
+    with pytest.raises(ValueError, match="impl='small': needs R <= 64"):
+        moe_align(ids, 16, 0, 16, impl="small")
+    with pytest.raises(ValueError, match="impl='fast'"):
+        moe_align(ids, 16, 0, 16, impl="fast")
 
 
 def test_multi_step_scan_carries_offsets():

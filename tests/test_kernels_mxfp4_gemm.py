@@ -244,27 +244,12 @@ def _run_ptx(src: str, regs: dict) -> dict:
     def to_bf16(x):
         return int(torch.tensor([x], dtype=torch.float32).to(torch.bfloat16).view(torch.int16).item()) & 0xFFFF
 
-    def f16(h):
-        return float(torch.tensor([h & 0xFFFF], dtype=torch.int32).to(torch.int16).view(torch.float16).item())
-
-    def to_f16(x):
-        return int(torch.tensor([x], dtype=torch.float64).to(torch.float16).view(torch.int16).item()) & 0xFFFF
-
-    def to_e4m3(x):  # RNE; every value converted here is in range (satfinite never acts)
-        assert abs(x) <= 448
-        return int(torch.tensor([x], dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8).item())
-
     m32 = 0xFFFFFFFF
     for line in src.splitlines():
         line = line.strip().rstrip(";")
         if not line or line[0] in "{}." or line.startswith(".reg"):
             continue
         op, rest = line.split(None, 1)
-        if op == "mov.b32":  # mov.b32 d, {lo16, hi16}
-            d, pair = rest.split(",", 1)
-            lo, hi = [regs[a.strip()] for a in pair.strip().strip("{}").split(",")]
-            regs[d.strip()] = (lo & 0xFFFF) | (hi & 0xFFFF) << 16
-            continue
         args = [a.strip() for a in rest.split(",")]
         d, srcs = args[0], [val(a) for a in args[1:]]
         if op == "prmt.b32":
@@ -283,11 +268,6 @@ def _run_ptx(src: str, regs: dict) -> dict:
         elif op == "mul.rn.bf16x2":
             a, b = srcs
             r = to_bf16(bf16(a) * bf16(b)) | (to_bf16(bf16(a >> 16) * bf16(b >> 16)) << 16)
-        elif op == "mul.rn.f16x2":
-            a, b = srcs
-            r = to_f16(f16(a) * f16(b)) | (to_f16(f16(a >> 16) * f16(b >> 16)) << 16)
-        elif op == "cvt.rn.satfinite.e4m3x2.f16x2":  # upper half -> upper byte
-            r = to_e4m3(f16(srcs[0])) | to_e4m3(f16(srcs[0] >> 16)) << 8
         else:
             raise AssertionError(f"op {op} not modelled")
         assert re.fullmatch(r"\$\d+|\w+", d), d
@@ -319,67 +299,6 @@ def test_swz_dequant_ptx_emulated_bitwise(which):
                     word = out[f"${reg + i // 2}"]
                     got = (word >> (16 * (i % 2))) & 0xFFFF
                     assert got == want, (which, sc, hex(byte), nib, i, hex(got), hex(want))
-
-
-def test_fp8_dequant_ptx_emulated_bitwise():
-    """The FP8 tile body's PTX (_E2M1X4_TO_E4M3_ASM), run by the interpreter above for every
-    byte value and relative shifts d = 0..8 (four different shifts per pack): each nibble's
-    e4m3 byte equals e2m1 * 2^-d cast to e4m3 (exact for d <= 8), -0.0 included; and the
-    plain-Triton twin (_dequant_w_fp8 without ASM) gives the same bytes under the interpreter."""
-    from dsv4_moe.kernels import _mxfp4_dequant as body
-    from dsv4_moe.weights.formats import e2m1_codes_to_float
-
-    src = body._E2M1X4_TO_E4M3_ASM.value
-    for ds in ((0, 1, 2, 3), (8, 7, 6, 5), (4, 0, 8, 2)):
-        sw = [(((29 - d) << 10) * 0x10001) & 0xFFFFFFFF for d in ds]
-        for b0 in range(256):
-            pack = [b0, (b0 * 37 + 11) & 255, (b0 * 91 + 3) & 255, 255 - b0]
-            regs = {"$2": pack[0] | pack[1] << 8 | pack[2] << 16 | pack[3] << 24,
-                    "$3": sw[0], "$4": sw[1], "$5": sw[2], "$6": sw[3]}
-            out = _run_ptx(src, regs)
-            for i, byte in enumerate(pack):
-                for nib, reg in ((byte & 0xF, "$0"), (byte >> 4, "$1")):
-                    v = e2m1_codes_to_float(torch.tensor([nib], dtype=torch.uint8)).double() * 2.0 ** -ds[i]
-                    want = v.float().to(torch.float8_e4m3fn).view(torch.uint8).item()
-                    if nib == 8:
-                        want = 0x80  # -0.0 (torch keeps the sign too; stated for clarity)
-                    got = (out[reg] >> (8 * i)) & 0xFF
-                    assert got == want, (ds, hex(byte), nib, i, hex(got), hex(want))
-
-
-def test_fp8_tile_body_equals_bf16_under_interpreter():
-    """GemmConfig.mma_fp8 (FP8 tile body, relative scale folding): under the interpreter
-    every product is exact and the sums are fp32 in the same order, so it must equal the
-    bf16 tile body bit for bit, on both layouts, gate_up (gathered) and down (scattered,
-    K = 384: three 128-blocks); spread-9 scales are refused by fp8_fold_ok."""
-    from dsv4_moe.kernels.mxfp4_grouped_gemm import fp8_fold_ok, fp8_pairs
-    from dsv4_moe.weights.mma_layout import to_mma64
-
-    w, s, q, sa, ids = _mma64_case(11, n=128, h=384)
-    assert fp8_fold_ok(s)
-    e = w.shape[0]
-    for layout, ww in (("nk", w), ("mma64", to_mma64(w))):
-        for gather in (True, False):
-            a = moe_align(ids.int(), e, 0, 16)
-            qq, ss = q, sa
-            if not gather:  # down: rows already in permuted order
-                rid = a.sorted_route_ids.long().clamp(max=ids.numel() - 1) // ids.shape[1]
-                qq, ss = q[rid].contiguous(), sa[rid].contiguous()
-            outs = []
-            for cfg in (GemmConfig(16, 64, 4, 2), GemmConfig(16, 64, 4, 2, mma_fp8=True)):
-                o = torch.zeros(a.max_rows if gather else ids.numel(), w.shape[1], dtype=torch.bfloat16)
-                outs.append(mxfp4_grouped_gemm(qq, ss, ww, s, a, gather_a=gather, scatter_out=not gather,
-                                               config=cfg, layout=layout, out=o))
-            assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), (layout, gather)
-    # fp8_pairs: a permutation within each 128-block (even k first), nothing else
-    pq = fp8_pairs(q).view(torch.uint8)
-    qb = q.view(torch.uint8)
-    assert torch.equal(pq[:, :64], qb[:, 0:128:2]) and torch.equal(pq[:, 64:128], qb[:, 1:128:2])
-    bad = s.clone().view(torch.uint8)
-    bad[0, 0, 0] = bad[0, 0, 1] + 9
-    assert not fp8_fold_ok(bad)
-    with pytest.raises(ValueError, match="mma_fp8=True needs kind 'tile'"):
-        GemmConfig(16, 128, kind="swap", mma_fp8=True)
 
 
 def _mma64_case(seed, n=192, h=256, e=6, t=5, k=3):
