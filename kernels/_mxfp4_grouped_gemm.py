@@ -28,7 +28,11 @@ in the 128-block (exact for spreads <= 8; PTX via f16x2 + cvt.e4m3x2) and runs F
 was measured at T = 4096 (docs/bench/2026-11-29/session5/probe_fp8_tile_239523e.txt):
 never faster (Flash gate_up 4097-5586 us vs 4152 for this bf16 body, Pro-TP8 down 1093-1932
 vs 938) and 4.5-6.2 % of outputs off this body's: the prefill tile is not bound by the
-MMA rate. Folding the e8m0 scale into a bf16 weight is exact for scale
+MMA rate. The same ncu (Flash gate_up T=4096, ncu_prefill_tile_be1c6ff.txt): 250 registers
+per thread, so 2 programs (8 warps) per SM; 54 % of cycles with no eligible warp, issue
+slots 46 % busy: latency-bound at low occupancy. Capping registers (ptx .maxnreg 128 /
+152 / 168, probe_maxnreg_308c9ed.txt) spills and is 1.2-1.9x slower at T = 1024-4096.
+Folding the e8m0 scale into a bf16 weight is exact for scale
 bytes in [0, 128] (the fp32 factor 2^(s-1) must be a normal fp32; real checkpoints sit
 near 120), so one 128-deep bf16 MMA per activation block does the
 whole block. NOTE: SPEC §4.3 makes the 32-wide sub-block the unit (`acc += partial_j *

@@ -70,10 +70,6 @@ class GemmConfig:
     # bitwise the default. routed_configs turns it on for gate_up where the H200 measured
     # a gain (session 5: 3-10 %); a conversion fused into act_quant would save its launches.
     a_bf16: bool = False
-    # register cap per thread (ptx .maxnreg; None = the compiler's choice). The H200 ncu of
-    # the prefill tile body (session 5) showed 250 registers -> 2 programs per SM, 8 warps,
-    # 54 % of cycles with no eligible warp: a cap trades spills for more programs in flight.
-    maxnreg: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("tile", "swap", "gemv"):
@@ -85,9 +81,6 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.block_m={self.block_m}: expected 16, 32, 64, 128 or 256")
         if self.block_n not in (16, 32, 64, 128, 256):
             raise ValueError(f"GemmConfig.block_n={self.block_n}: expected 16, 32, 64, 128 or 256")
-        if self.maxnreg is not None and (not isinstance(self.maxnreg, int) or not 24 <= self.maxnreg <= 255
-                                         or self.maxnreg % 8):
-            raise ValueError(f"GemmConfig.maxnreg={self.maxnreg!r}: expected None or a multiple of 8 in [24, 255]")
         if self.a_bf16 and self.kind != "swap":
             raise ValueError(f"GemmConfig.a_bf16=True needs kind 'swap', got kind={self.kind!r}")
         if not isinstance(self.split_k, int) or self.split_k < 1 or (self.split_k > 1 and self.kind == "tile"):
@@ -250,16 +243,9 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
         SOFTWARE_BF16=interpreting(),
         A_SPLIT=cfg.a_split, W_KN=cfg.w_kn, SCALE_BCAST=cfg.scale_bcast, DIAG=cfg.diag,
         ASM=cfg.asm and cfg.scale_bcast and not interpreting(), W_SWZ=swz,
-        num_warps=cfg.num_warps, **_reg_cap(cfg),
+        num_warps=cfg.num_warps,
     )
     return out
-
-
-def _reg_cap(cfg: GemmConfig) -> dict:
-    """The launch option for GemmConfig.maxnreg (none under the interpreter)."""
-    from ._triton_utils import interpreting  # noqa: PLC0415
-
-    return {} if cfg.maxnreg is None or interpreting() else {"maxnreg": cfg.maxnreg}
 
 
 def bf16_pairs(q: torch.Tensor) -> torch.Tensor:
@@ -289,7 +275,7 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
     common = dict(A_GATHER=gather_a, OUT_SCATTER=scatter_out, K=k, BLOCK_N=cfg.block_n,
                   NUM_STAGES=cfg.num_stages, KB_PER=kb_per, SPLIT=split, SOFTWARE_BF16=interpreting(),
                   ASM=cfg.asm and not interpreting(),
-                  num_warps=cfg.num_warps, **_reg_cap(cfg))
+                  num_warps=cfg.num_warps)
     if cfg.kind == "swap":
         _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, W_SWZ=swz, A_BF16=cfg.a_bf16, **common)
     else:

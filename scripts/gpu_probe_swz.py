@@ -14,7 +14,6 @@ and reports the share of outputs that differ from the nk default (other bodies s
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import time
@@ -59,8 +58,7 @@ def ulp_stats(a, b):
 
 def label(cfg, layout):
     return (f"{layout:5s} {cfg.kind}{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
-            f" sk{cfg.split_k} asm{int(cfg.asm)}{' bf16A' if cfg.a_bf16 else ''}"
-            f"{f' r{cfg.maxnreg}' if cfg.maxnreg else ''}")
+            f" sk{cfg.split_k} asm{int(cfg.asm)}{' bf16A' if cfg.a_bf16 else ''}")
 
 
 def main():
@@ -115,22 +113,34 @@ def main():
             base_cfg = select_config(t * 6, e, n, k, "nk")
             new_cfg = select_config(t * 6, e, n, k, "mma64")
             cands = [(base_cfg, "nk"), (new_cfg, "mma64")]
-            # session 5: register caps (ncu: the prefill tile body holds 250 registers -> 2
-            # programs per SM; the decode swap body 166 -> 3)
             if rows_per < 8:
-                base = new_cfg
-                cands += [(dataclasses.replace(base, maxnreg=r), "mma64") for r in (128, 152)]
-                if not base.split_k > 1:
-                    cands += [(dataclasses.replace(base, a_bf16=True), "mma64"),
-                              (dataclasses.replace(base, a_bf16=True, maxnreg=128), "mma64")]
+                cands += [(GemmConfig(16, 128, 4, 4, kind="swap", asm=True), "nk"),
+                          (GemmConfig(16, 128, 4, 4, kind="swap"), "mma64"),
+                          (GemmConfig(16, 128, 4, 3, kind="swap", asm=True), "mma64"),
+                          (GemmConfig(16, 64, 4, 4, kind="swap", asm=True), "mma64"),
+                          (GemmConfig(16, 128, 4, 3, asm=True), "mma64")]
+                cands.append((GemmConfig(16, 128, 4, 4, kind="swap", asm=True, a_bf16=True), "mma64"))
+                if rows_per < 0.2:
+                    for sk in (2, 4, 8):
+                        cands.append((GemmConfig(16, 128, 4, 4, kind="swap", asm=True, split_k=sk), "mma64"))
             elif rows_per < 64:
-                cands += [(dataclasses.replace(new_cfg, maxnreg=r), "mma64") for r in (128, 152)]
-                cands += [(GemmConfig(32, 128, 8, 3, kind="swap", asm=True, a_bf16=new_cfg.a_bf16), "mma64")]
+                cands += [(GemmConfig(32, 128, 4, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
+                          (GemmConfig(64, 128, 4, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
+                          (GemmConfig(64, 128, 8, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
+                          (GemmConfig(32, 128, 4, 3, kind="swap", asm=True), "nk"),
+                          (GemmConfig(32, 128, 4, 3, kind="swap"), "mma64"),
+                          (GemmConfig(32, 128, 4, 4, kind="swap", asm=True), "mma64")]
             else:
-                cands += [(GemmConfig(64, 128, 4, 3, asm=True, maxnreg=r), lay) for r in (128, 168) for lay in ("nk", "mma64")]
-                cands += [(GemmConfig(64, 128, 4, 2, asm=True, maxnreg=128), "nk"),
-                          (GemmConfig(128, 128, 8, 3, asm=True, maxnreg=168), "nk"),
-                          (GemmConfig(32, 128, 4, 3, kind="swap", asm=True, a_bf16=True, maxnreg=128), "mma64")]
+                # session 5: the swap body with bf16 activations (no register round trip of the
+                # second operand) at prefill sizes, and wider swap tiles
+                cands += [(GemmConfig(64, 128, 4, 3, asm=True), "nk"),
+                          (GemmConfig(32, 128, 4, 3, kind="swap", asm=True), "mma64"),
+                          (GemmConfig(32, 128, 4, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
+                          (GemmConfig(64, 128, 4, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
+                          (GemmConfig(64, 128, 8, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
+                          (GemmConfig(128, 128, 8, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
+                          (GemmConfig(64, 256, 8, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
+                          (GemmConfig(128, 64, 4, 3, kind="swap", asm=True, a_bf16=True), "mma64")]
             results = {}
             base_res = base_us = None
             for cfg, layout in cands:
