@@ -120,27 +120,29 @@ def main():
                           (GemmConfig(16, 64, 4, 4, kind="swap", asm=True), "mma64"),
                           (GemmConfig(16, 128, 4, 3, asm=True), "mma64")]
                 cands.append((GemmConfig(16, 128, 4, 4, kind="swap", asm=True, a_bf16=True), "mma64"))
+                if rows_per >= 1:  # session 5: wider weight tiles at T = 64..256
+                    cands += [(GemmConfig(16, 256, 8, 4, kind="swap", asm=True, a_bf16=True), "mma64"),
+                              (GemmConfig(32, 128, 4, 3, kind="swap", asm=True, a_bf16=True), "mma64")]
                 if rows_per < 0.2:
                     for sk in (2, 4, 8):
                         cands.append((GemmConfig(16, 128, 4, 4, kind="swap", asm=True, split_k=sk), "mma64"))
             elif rows_per < 64:
                 cands += [(GemmConfig(32, 128, 4, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
-                          (GemmConfig(64, 128, 4, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
-                          (GemmConfig(64, 128, 8, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
+                          (GemmConfig(32, 256, 8, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
                           (GemmConfig(32, 128, 4, 3, kind="swap", asm=True), "nk"),
-                          (GemmConfig(32, 128, 4, 3, kind="swap"), "mma64"),
                           (GemmConfig(32, 128, 4, 4, kind="swap", asm=True), "mma64")]
             else:
-                # session 5: the swap body with bf16 activations (no register round trip of the
-                # second operand) at prefill sizes, and wider swap tiles
+                # session 5: smaller weight tiles for the tile body (ncu: 250 registers, 2
+                # programs per SM at 64 x 128) and the swap body with bf16 activations
                 cands += [(GemmConfig(64, 128, 4, 3, asm=True), "nk"),
-                          (GemmConfig(32, 128, 4, 3, kind="swap", asm=True), "mma64"),
-                          (GemmConfig(32, 128, 4, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
-                          (GemmConfig(64, 128, 4, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
-                          (GemmConfig(64, 128, 8, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
-                          (GemmConfig(128, 128, 8, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
-                          (GemmConfig(64, 256, 8, 3, kind="swap", asm=True, a_bf16=True), "mma64"),
-                          (GemmConfig(128, 64, 4, 3, kind="swap", asm=True, a_bf16=True), "mma64")]
+                          (GemmConfig(64, 64, 4, 3, asm=True), "nk"),
+                          (GemmConfig(64, 64, 4, 3, asm=True), "mma64"),
+                          (GemmConfig(64, 64, 4, 4, asm=True), "mma64"),
+                          (GemmConfig(128, 64, 4, 3, asm=True), "mma64"),
+                          (GemmConfig(128, 64, 8, 3, asm=True), "mma64"),
+                          (GemmConfig(32, 128, 4, 3, asm=True), "mma64"),
+                          (GemmConfig(64, 128, 4, 4, asm=True), "nk"),
+                          (GemmConfig(32, 128, 4, 3, kind="swap", asm=True, a_bf16=True), "mma64")]
             results = {}
             base_res = base_us = None
             for cfg, layout in cands:
