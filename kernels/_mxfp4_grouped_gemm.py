@@ -26,9 +26,9 @@ and applying the per-32 weight scale after an FP8 MMA needs a K=32 MMA per scale
 that folds each 32-group's scale into the e4m3 weight relative to the row's largest scale
 in the 128-block (exact for spreads <= 8; PTX via f16x2 + cvt.e4m3x2) and runs FP8 wgmma
 was measured at T = 4096 (docs/bench/2026-11-29/session5/probe_fp8_tile_239523e.txt):
-never faster (Flash gate_up 4097-5586 us vs 4152 for this bf16 body, Pro-TP8 down 1093-1932
-vs 938) and 4.5-6.2 % of outputs off this body's: the prefill tile is not bound by the
-MMA rate. The same ncu (Flash gate_up T=4096, ncu_prefill_tile_be1c6ff.txt): 250 registers
+never faster (best of 8 configs: Flash gate_up 4097 us vs 4152 for this bf16 body, Pro-TP8
+down 1093 vs 938) and 4.5-6.2 % of outputs off this body's: the prefill tile is not bound
+by the MMA rate. The same ncu (Flash gate_up T=4096, ncu_prefill_tile_be1c6ff.txt): 250 registers
 per thread, so 2 programs (8 warps) per SM; 54 % of cycles with no eligible warp, issue
 slots 46 % busy: latency-bound at low occupancy. Capping registers (ptx .maxnreg 128 /
 152 / 168, probe_maxnreg_308c9ed.txt) spills and is 1.2-1.9x slower at T = 1024-4096.
