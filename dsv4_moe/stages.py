@@ -65,7 +65,16 @@ def _importable(name: str) -> tuple[bool, str]:
 
 
 def router_triton_supported(ctx: DispatchContext):
-    return _importable("router")
+    ok, why = _importable("router")
+    if not ok:
+        return ok, why
+    gpu = ctx.device.type == "cuda"
+    gemv_max = _kernel("router").GEMV_MAX_T
+    logits = (f"logits by the Triton GEMV (T <= {gemv_max})" if gpu and ctx.num_tokens <= gemv_max
+              else "logits by cuBLAS (fp32 out)" if gpu else "logits by torch matmul")
+    scores = ("sqrt(softplus) in the top-k kernel (libdevice, bitwise torch's)" if gpu
+              else "sqrt(softplus) by torch (no libdevice off the GPU)")
+    return True, f"{why}: {logits}; {scores}"
 
 
 def router_triton(x, router, input_ids, top_k, scale):
