@@ -21,6 +21,8 @@ BLOCK_M; experts are in ascending id. Everything is sized from shapes alone:
 max_blocks = min(R, cdiv(R, BLOCK_M) + min(E_local, R)) (each non-empty expert wastes
 less than one block, and every valid block holds at least one route), max_rows =
 max_blocks * BLOCK_M, so the call never syncs and can be captured in a CUDA graph.
+Decode-sized inputs (R <= 64 routes) take one launch, larger ones three
+(kernels/_moe_align.py; `impl` forces either, and both give the same outputs).
 """
 
 from __future__ import annotations

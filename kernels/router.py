@@ -10,14 +10,14 @@ unbiased weights renormalised and scaled, ids sorted ascending per token.
     topk_weights [T, k]        float32   w / sum(w) * routed_scaling_factor
     topk_ids     [T, k]        int32     ascending per token (weights permuted with them)
 
-Design (measure with `scripts/gpu_check_routed.py`, section "router"):
+Design (measured with `scripts/gpu_check_router.py`; `gpu_check_routed.py` times the stage):
 * logits, fp32 accumulation (bf16 x bf16 products are exact in fp32, so only the
   summation order can differ from `x.float() @ W.float().T`): for T <= GEMV_MAX_T on a
   GPU a Triton GEMV over the gate weight (one launch), else one cuBLAS call
   (`logits_impl` forces either);
 * scores `sqrt(softplus(logits))`: on a GPU computed inside the top-k kernel with
   libdevice `log1p`/`exp` and the IEEE square root, bitwise torch's CUDA `softplus` +
-  `sqrt` for every fp32 input (exhaustive H200 check in `scripts/gpu_check_routed.py`);
+  `sqrt` for every fp32 input (exhaustive H200 check in `scripts/gpu_check_router.py`);
   elsewhere (CPU, the Triton interpreter, which has no libdevice) torch's own ops
   (`scores_impl` forces either). Equal scores matter: a 1-ulp difference could flip a
   near-tie in the selection;
