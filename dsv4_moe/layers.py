@@ -281,7 +281,23 @@ class DeepseekV4MoE(_NativeBuffers):
                                       if self.overlap_shared and self.device.type == "cuda" else
                                       "in line" + ("" if self.overlap_shared else " (overlap_shared=False)")
                                       + ("" if self.device.type == "cuda" else f" (device {self.device.type})")))
-        return head + "\n" + dispatch.explain(self.context(num_tokens))
+        return head + "\n" + dispatch.explain(self.context(num_tokens)) + self._gemm_plan(num_tokens)
+
+    def _gemm_plan(self, num_tokens: int) -> str:
+        """The routed MXFP4 GEMM bodies for this T (kernels.routed_experts.routed_configs),
+        when the routed stage takes the Triton path; empty otherwise."""
+        if num_tokens < 1 or dispatch.select("routed_experts", self.context(num_tokens)).name != "triton":
+            return ""
+        from .kernels.routed_experts import routed_configs
+
+        routes = num_tokens * self.config.num_experts_per_tok
+        parts = []
+        for gemm, cfg in zip(("gate_up", "down"), routed_configs(routes, self.routed)):
+            extra = "".join([f", K split {cfg.split_k} ways" if cfg.split_k > 1 else "",
+                             ", bf16 activation pairs" if cfg.a_bf16 else ""])
+            parts.append(f"{gemm} {cfg.kind} {cfg.block_m}x{cfg.block_n}, {cfg.num_warps} warps{extra}")
+        return (f"\n  routed GEMMs ({routes / self.num_local_experts:.3g} routes per local expert): "
+                + "; ".join(parts))
 
 
 def choose_routed_layout(r: RoutedExpertWeights, requested: str = "auto") -> tuple[str, str]:

@@ -53,3 +53,20 @@ def test_routed_kernel_rejects_scales_outside_exact_folding(kernels_on_cpu):
     assert plan["routed_experts"].chosen.name == "reference"
     assert any("outside [0, 128]" in why for _, why in plan["routed_experts"].rejected)
     assert "outside [0, 128]" in layer.explain(3)
+
+
+def test_explain_names_the_routed_gemm_bodies(kernels_on_cpu):
+    """explain() lists the MXFP4 GEMM bodies routed_configs picks for this T when the routed
+    stage runs the kernels, and nothing when it does not."""
+    from dsv4_moe.kernels.routed_experts import routed_configs
+
+    w = random_layer_weights(CFG, layer_idx=1, seed=5, device=kernels_on_cpu)
+    layer = DeepseekV4MoE(CFG, w, routed_layout="mma64")
+    for t in (1, 3, 200):
+        up, down = routed_configs(t * CFG.num_experts_per_tok, layer.routed)
+        text = layer.explain(t)
+        assert f"gate_up {up.kind} {up.block_m}x{up.block_n}" in text, text
+        assert f"down {down.kind} {down.block_m}x{down.block_n}" in text
+        assert ("bf16 activation pairs" in text) == up.a_bf16
+    w.routed.down_scale.view(torch.uint8)[0, 0, 0] = 200   # routed stage falls back: no GEMM line
+    assert "routed GEMMs" not in DeepseekV4MoE(CFG, w).explain(3)
