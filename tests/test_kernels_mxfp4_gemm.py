@@ -383,6 +383,20 @@ def test_mma64_guards_and_select_config():
     assert not any(routed_configs(t * 6, nk)[0].a_bf16 for t in (16, 256, 1024))
 
 
+def test_bf16_pairs_layout():
+    """bf16_pairs: each 128-block of a row as its 64 even-k values then its 64 odd-k values,
+    exact e4m3 -> bf16 (one strided copy)."""
+    from dsv4_moe.kernels.mxfp4_grouped_gemm import bf16_pairs
+
+    q = (torch.randn(5, 384, generator=torch.Generator().manual_seed(1)) * 40).to(torch.float8_e4m3fn)
+    p = bf16_pairs(q)
+    assert p.dtype == torch.bfloat16 and p.shape == q.shape and p.is_contiguous()
+    f = q.float()
+    for b in range(3):
+        assert torch.equal(p[:, 128 * b:128 * b + 64].float(), f[:, 128 * b:128 * (b + 1):2])
+        assert torch.equal(p[:, 128 * b + 64:128 * (b + 1)].float(), f[:, 128 * b + 1:128 * (b + 1):2])
+
+
 @pytest.mark.parametrize("layout", ["nk", "mma64"])
 def test_swap_bf16_activations_bitwise(layout):
     """GemmConfig.a_bf16 (probe option): the swap body reads its second operand as bf16
