@@ -80,6 +80,18 @@ def test_small_path_equals_chunked(t, k, e, first, num_local, bm, weights):
         assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), f
 
 
+def test_small_path_no_local_route():
+    """An EP rank none of whose experts is hit: no valid block, every row a sentinel, on
+    both paths alike."""
+    ids = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)   # experts 0..5; this rank owns 8..15
+    tw = torch.rand(2, 3)
+    a = _check(ids, 8, 8, 16, tw, impl="small")
+    b = _check(ids, 8, 8, 16, tw, impl="chunked")
+    assert int(a.num_valid_blocks) == 0 and (a.route_rows == -1).all() and (a.block_expert == -1).all()
+    for f in FIELDS:
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+
+
 def test_small_path_limits():
     ids = _ids(11, 6, 16, 0)   # 66 routes > 64
     with pytest.raises(ValueError, match="impl='small': needs R <= 64"):

@@ -58,13 +58,14 @@ def test_exact_scores_bitwise():
     assert torch.equal(ids.long(), rids) and torch.equal(tw, rw)
 
 
-def test_hash_routing_vs_reference():
+@pytest.mark.parametrize("logits_impl", ["mm", "gemv"])
+def test_hash_routing_vs_reference(logits_impl):
     t, e, k, vocab = 7, 16, 6, 50
     x, w, _ = _inputs(t, 128, e, 3)
     g = torch.Generator().manual_seed(5)
     tid2eid = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(vocab)])  # unsorted rows
     input_ids = torch.randint(0, vocab, (t,), generator=g)
-    tw, ids = route_topk(x, w, None, tid2eid, input_ids, k, SCALE)
+    tw, ids = route_topk(x, w, None, tid2eid, input_ids, k, SCALE, logits_impl=logits_impl)
     rw, rids = ref.route(x, w, None, tid2eid, input_ids, k, SCALE)
     assert torch.equal(ids.long(), rids)
     assert ((tw - rw).abs() / rw).max() <= 4e-6
