@@ -208,6 +208,7 @@ def _mxfp4_grouped_gemm_swap_kernel(
     W_SWZ: tl.constexpr = False,   # weights in the "mma64" layout (as in _mxfp4_grouped_gemm_kernel)
     A_BF16: tl.constexpr = False,  # activations given as bf16, each 128-block as [64 even k | 64 odd k]
                                    # (K % 128 == 0): the MMA's second operand loads as is
+    DIAG: tl.constexpr = 0,        # probes only (gpu_probe_swz.py --diag): 1 skip dequant, 2 skip MMA
 ):
     """Swapped operands: out^T[n, rows] = W[n, k] . A^T[k, rows]. The dequantised weight
     tile is the MMA's first operand (kept in registers on Hopper: no shared-memory round
@@ -262,13 +263,20 @@ def _mxfp4_grouped_gemm_swap_kernel(
         else:
             packed = tl.load(w_ptrs + k0 // 2, mask=kmask, other=0)
         sb4 = tl.load(sw_ptrs + k0 // 32, mask=(k0 // 32 + k4)[None, :] < K // 32, other=127)
-        if ASM and W_SWZ:
+        if DIAG == 1:  # probe: no conversion (wrong values; isolates load + MMA cost)
+            w_lo = packed.to(tl.bfloat16) + tl.sum(sb4, axis=1).to(tl.bfloat16)[:, None]
+            w_hi = w_lo
+        elif ASM and W_SWZ:
             w_lo, w_hi = _dequant_w_swz_asm(packed, sb4, BLOCK_N)
         elif ASM:
             w_lo, w_hi = _dequant_w_asm(packed, sb4, BLOCK_N)
         else:
             w_lo, w_hi = _dequant_w(packed, sb4, BLOCK_N, SELECT_SUBNORMAL)
-        if SOFTWARE_BF16:
+        if DIAG == 2:  # probe: no MMA (isolates load + conversion cost)
+            part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) + \
+                tl.sum(w_lo.to(tl.float32) + w_hi.to(tl.float32), axis=1)[:, None] + \
+                tl.sum(a_even.to(tl.float32) + a_odd.to(tl.float32), axis=1)[None, :]
+        elif SOFTWARE_BF16:
             part = tl.dot(w_lo, tl.trans(a_even.to(tl.float32)), input_precision="ieee")
             part = tl.dot(w_hi, tl.trans(a_odd.to(tl.float32)), part, input_precision="ieee")
         else:

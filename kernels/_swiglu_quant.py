@@ -13,8 +13,9 @@ Per [R, 128] tile (R rows, one quant group g of the I output columns):
 Two launch strategies (seed 002):
 * `group`:      grid (M_S, G), one program per quant group, 1 warp. Lowest latency for
                 launch-bound decode (every program is independent, no loop overhead).
-* `persistent`: grid min(tiles, PERSISTENT_PROGRAMS_PER_SM * SMs) programs looping
-                over [BLOCK_M, 128] tiles; wide rows per program give 16-byte loads and
+* `persistent`: grid (P, G), P = min(row blocks, PERSISTENT_PROGRAMS_PER_SM * SMs / G):
+                program (p, g) loops over the [BLOCK_M, 128] tiles of group g in row
+                blocks p, p + P, ...; wide rows per program give 16-byte loads and
                 amortise the per-row id/weight loads; skipped rows cost one id load.
 """
 
@@ -34,6 +35,7 @@ from ._triton_utils import interpreting, quant_group_tile, round_to_bf16
 # 13.2 / 11.8 / 12.0. Re-tune with scripts/bench_swiglu_quant.py (pps columns in the JSON).
 PERSISTENT_PROGRAMS_PER_SM = 16
 PERSISTENT_BLOCK_M = 16
+PERSISTENT_NUM_WARPS = 4
 
 
 @triton.jit
@@ -67,8 +69,8 @@ def _swiglu_quant_tile(
     if HAS_RW:
         w = tl.load(rw_ptr + rows, mask=ok, other=0.0)
         h = h * w[:, None]
+    # masked entries loaded 0 (and weight 0), so h = 0 / (1 + 1) * 0 = +0 there already
     hb = round_to_bf16(h, not USE_LIBDEVICE)
-    hb = tl.where(mask, hb, 0.0)
     q, s_store = quant_group_tile(hb, SCALE_FMT, not USE_LIBDEVICE)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
     # Rows M..M_S-1 (padded column-major scales) write the scale of an all-zero group.
@@ -95,18 +97,19 @@ def _swiglu_quant_group_kernel(
 @triton.jit
 def _swiglu_quant_persistent_kernel(
     gu_ptr, q_ptr, s_ptr, rw_ptr, ids_ptr, map_ptr,
-    M, M_S, I, limit, G, num_tiles,
+    M, M_S, I, limit, row_blocks,
     stride_gm, stride_qm, stride_sm, stride_sg,
     SCALE_FMT: tl.constexpr, HAS_RW: tl.constexpr, HAS_IDS: tl.constexpr, HAS_MAP: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
+    # Grid (P, G): program (p, g) walks row blocks p, p + P, ... of quant group g. The
+    # programs of one row block (all g) start together, so the gate and up halves of those
+    # rows stream through L2 together; no integer division per tile (the earlier flat
+    # tile loop spent ~3 instructions per element on tile // G and tile % G).
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    for tile in range(pid, num_tiles, nprog):
-        # Group-major inside a row block: consecutive programs read adjacent columns of
-        # the same rows, so the gate and up halves stream through L2 together.
-        rb = tile // G
-        g = tile % G
+    g = tl.program_id(1)
+    for rb in range(pid, row_blocks, nprog):
         rows = (rb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         _swiglu_quant_tile(gu_ptr, q_ptr, s_ptr, rw_ptr, ids_ptr, map_ptr, rows, g, M, M_S, I, limit,
                            stride_gm, stride_qm, stride_sm, stride_sg,
@@ -128,9 +131,9 @@ def launch_swiglu_quant(gate_up, q_u8, s, rw, ids, emap, m_s: int, limit: float,
         _swiglu_quant_group_kernel[(m_s, g)](*args, m, m_s, i, float(limit), *strides, **flags, num_warps=1)
     elif strategy == "persistent":
         bm = PERSISTENT_BLOCK_M
-        num_tiles = triton.cdiv(m_s, bm) * g
-        nprog = max(1, min(num_tiles, PERSISTENT_PROGRAMS_PER_SM * num_sms))
-        _swiglu_quant_persistent_kernel[(nprog,)](*args, m, m_s, i, float(limit), g, num_tiles, *strides,
-                                                  **flags, BLOCK_M=bm, num_warps=4)
+        row_blocks = triton.cdiv(m_s, bm)
+        nprog = max(1, min(row_blocks, PERSISTENT_PROGRAMS_PER_SM * num_sms // g))
+        _swiglu_quant_persistent_kernel[(nprog, g)](*args, m, m_s, i, float(limit), row_blocks, *strides,
+                                                    **flags, BLOCK_M=bm, num_warps=PERSISTENT_NUM_WARPS)
     else:
         raise ValueError(f"swiglu_quant: strategy={strategy!r}, expected 'group' or 'persistent'")

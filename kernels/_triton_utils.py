@@ -97,9 +97,12 @@ def cast_e4m3_bytes(y, SOFTWARE: tl.constexpr):
         ab = a.to(tl.int32, bitcast=True)
         nrm = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - (120 << 3)
         q = (tl.where(a < 0.015625, sub, nrm).to(tl.uint8)) | sign
+        return tl.where(y != y, sign | 0x7F, q)
     else:
-        q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    return tl.where(y != y, sign | 0x7F, q)
+        # NOTE: the hardware code of a non-NaN y already carries y's sign bit (RNE and
+        # satfinite are symmetric; -0.0 -> 0x80), so OR-ing the sign changes only NaN:
+        # 0x7F -> 0x7F | sign, torch's byte. Two integer ops instead of compare + select.
+        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True) | sign
 
 
 @triton.jit
@@ -110,7 +113,12 @@ def quant_group_tile(x, SCALE_FMT: tl.constexpr, SOFTWARE: tl.constexpr):
     the requested scale format (fp32, or uint8 e8m0 bytes).
     """
     a = tl.abs(x)
-    a = tl.where(a != a, 0.0, a)  # NaN ignored in amax (reference group_amax)
+    if SOFTWARE:
+        a = tl.where(a != a, 0.0, a)  # NaN ignored in amax (reference group_amax)
+    # NOTE: on the GPU tl.max / tl.maximum lower to max.f32, which already returns the
+    # non-NaN operand (IEEE maxNum), so NaN is ignored without the select (numpy's max in
+    # the interpreter propagates NaN, hence the select there). An all-NaN group gives
+    # max(NaN, 1e-4) = 1e-4, the reference's floored 0.
     amax = tl.maximum(tl.max(a, axis=1), 1e-4)
     if SCALE_FMT == 3:
         s = tl.math.div_rn(amax, 448.0)
@@ -129,5 +137,10 @@ def quant_group_tile(x, SCALE_FMT: tl.constexpr, SOFTWARE: tl.constexpr):
         # per element (measured in scripts/bench_swiglu_quant.py).
         inv = tl.where(e == 255, 0, (254 - e) << 23).to(tl.float32, bitcast=True)
         y = x * inv[:, None]
-    y = tl.clamp(y, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    if SOFTWARE:
+        y = tl.clamp(y, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    # NOTE: on the GPU the clamp is the convert itself: cvt.rn.satfinite.e4m3x2.f32 maps
+    # finite |y| > 448 and +-inf to +-448 exactly as clamp-then-convert does, and NaN stays
+    # NaN (fixed up in cast_e4m3_bytes). With UE8M0 scales and bf16 inputs |y| <= 448
+    # anyway; the "amax" format's divide can land just above it.
     return cast_e4m3_bytes(y, SOFTWARE), s_store

@@ -281,7 +281,8 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
                   ASM=cfg.asm and not interpreting(),
                   num_warps=cfg.num_warps)
     if cfg.kind == "swap":
-        _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, W_SWZ=swz, A_BF16=cfg.a_bf16, **common)
+        _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, W_SWZ=swz, A_BF16=cfg.a_bf16,
+                                              DIAG=cfg.diag, **common)
     else:
         _mxfp4_gemv_kernel[grid](*args, UNROLL=cfg.unroll, **common)
     if split:

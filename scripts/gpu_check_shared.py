@@ -248,6 +248,42 @@ def part_swiglu_correctness():
                        kept_vs_ref=bytes_equal(uq.cpu()[k], rq[k]) and bytes_equal(us.cpu()[k], rs[k]))
             row["ok"] = row["untouched"] and row["fused_vs_unfused"] and row["kept_vs_ref"]
             add(row)
+    # special values (session 6: the GPU quantiser relies on max.f32 ignoring NaN and on the
+    # satfinite convert instead of a select and a clamp): NaN of both signs, +-inf, all-zero
+    # groups, clamp-active gates/ups, in every scale format, fused / unfused / act_quant
+    # against the reference bit for bit
+    for i in I_LIST:
+        m = 64
+        x = make_gate_up(m, i, seed=5 + i)
+        x[1, 3] = float("nan")
+        x[2, i + 5] = -float("nan")
+        x[3, 7] = float("inf")
+        x[4, i + 9] = -float("inf")
+        x[5, 0] = -float("inf")
+        x[6, :] = 0.0
+        x[7, i:] = float("nan")
+        x[8, :i] = -float("nan")
+        x[9, i + 1] = 1e30
+        x[10, 2] = -1e30
+        x = x.bfloat16()
+        rq, rs = ref.swiglu_quant(x.cpu(), 10.0)
+        for fmt in ("fp32", "e8m0", "amax"):
+            uq, us = swiglu_quant_unfused(x, scale_fmt=fmt)
+            row = dict(part="swiglu_special", I=i, M=m, scale_fmt=fmt)
+            for strat in ("group", "persistent"):
+                fq, fs = swiglu_quant(x, scale_fmt=fmt, strategy=strat)
+                row[f"{strat}_vs_unfused"] = bytes_equal(fq, uq) and bytes_equal(fs, us)
+            if fmt == "fp32":
+                row["vs_ref"] = bytes_equal(uq.cpu(), rq) and bytes_equal(us.cpu(), rs)
+            if fmt != "amax":  # act_quant alone on raw special values (the reference has UE8M0 only)
+                h = x[:, :i].contiguous()
+                aq, as_ = act_quant(h, scale_fmt=fmt)
+                arq, ars = ref.act_quant(h.cpu())
+                if fmt == "e8m0":
+                    ars = ref.quant.scale_to_e8m0_bits(ars)
+                row["act_quant_vs_ref"] = bytes_equal(aq.cpu(), arq) and bytes_equal(as_.cpu(), ars)
+            row["ok"] = all(v for k2, v in row.items() if k2.endswith(("_unfused", "vs_ref")))
+            add(row)
     # CUDA graph capture + replay == eager
     for i in I_LIST:
         m = 64
@@ -350,16 +386,17 @@ def part_swiglu_timing(copy_tbps):
                 row[f"pct_copy_{name}"] = 100 * by / us / 1e6 / copy_tbps
             if m * i >= PERSISTENT_MIN_ELEMENTS:  # more persistent programs per SM (ncu: 23 % occupancy at 4)
                 from dsv4_moe.kernels import _swiglu_quant as _sq
-                base_pps = _sq.PERSISTENT_PROGRAMS_PER_SM
-                for pps in (4, 8, 16):
-                    _sq.PERSISTENT_PROGRAMS_PER_SM = pps
+                base = (_sq.PERSISTENT_PROGRAMS_PER_SM, _sq.PERSISTENT_BLOCK_M, _sq.PERSISTENT_NUM_WARPS)
+                # (programs per SM, rows per tile, warps): session 6 sweeps tile shapes too
+                for pps, bm, nw in ((8, 16, 4), (16, 16, 4), (32, 16, 4), (8, 32, 4), (16, 32, 8), (32, 8, 2)):
+                    _sq.PERSISTENT_PROGRAMS_PER_SM, _sq.PERSISTENT_BLOCK_M, _sq.PERSISTENT_NUM_WARPS = pps, bm, nw
                     try:
                         us = bench([lambda x=x, o=o: swiglu_quant(x, out_q=o[0], out_s=o[1], strategy="persistent")
                                     for x, o in zip(xs, outs)])
                     finally:
-                        _sq.PERSISTENT_PROGRAMS_PER_SM = base_pps
-                    row[f"us_persistent_pps{pps}"] = us
-                    row[f"pct_copy_persistent_pps{pps}"] = 100 * by / us / 1e6 / copy_tbps
+                        _sq.PERSISTENT_PROGRAMS_PER_SM, _sq.PERSISTENT_BLOCK_M, _sq.PERSISTENT_NUM_WARPS = base
+                    row[f"us_persistent_pps{pps}_bm{bm}_w{nw}"] = us
+                    row[f"pct_copy_persistent_pps{pps}_bm{bm}_w{nw}"] = 100 * by / us / 1e6 / copy_tbps
             row["speedup_fused"] = row["us_unfused"] / row["us_fused"]
             add(row)
             del xs, outs

@@ -58,7 +58,7 @@ def ulp_stats(a, b):
 
 def label(cfg, layout):
     return (f"{layout:5s} {cfg.kind}{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
-            f" sk{cfg.split_k} asm{int(cfg.asm)}{' bf16A' if cfg.a_bf16 else ''}")
+            f" sk{cfg.split_k} asm{int(cfg.asm)}{' bf16A' if cfg.a_bf16 else ''}{f' DIAG{cfg.diag}' if cfg.diag else ''}")
 
 
 def main():
@@ -66,6 +66,9 @@ def main():
     ap.add_argument("--budget-s", type=float, default=300)
     ap.add_argument("--ts", default="1,4,16,64,256,1024,4096")
     ap.add_argument("--shapes", default="flash_up,flash_down,pro_up,pro_down")
+    ap.add_argument("--diag", action="store_true",
+                    help="only the mma64 default and its DIAG twins (1: no dequantisation, 2: no MMA; "
+                         "wrong values) to split its time into load, conversion and MMA")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", "./out")
     os.makedirs(out_dir, exist_ok=True)
@@ -143,6 +146,8 @@ def main():
                           (GemmConfig(32, 128, 4, 3, asm=True), "mma64"),
                           (GemmConfig(64, 128, 4, 4, asm=True), "nk"),
                           (GemmConfig(32, 128, 4, 3, kind="swap", asm=True, a_bf16=True), "mma64")]
+            if args.diag:
+                cands = [(new_cfg, "mma64")] + [(GemmConfig(**{**new_cfg.__dict__, "diag": d}), "mma64") for d in (1, 2)]
             results = {}
             base_res = base_us = None
             for cfg, layout in cands:
