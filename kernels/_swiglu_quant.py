@@ -36,16 +36,14 @@ from ._triton_utils import interpreting, quant_group_tile, round_to_bf16
 PERSISTENT_PROGRAMS_PER_SM = 16
 PERSISTENT_BLOCK_M = 16
 PERSISTENT_NUM_WARPS = 4
+PERSISTENT_PREFETCH = False
+PERSISTENT_MAXNREG = None  # ptxas register cap (None: the compiler's choice)
 
 
 @triton.jit
-def _swiglu_quant_tile(
-    gu_ptr, q_ptr, s_ptr, rw_ptr, ids_ptr, map_ptr,
-    rows, g, M, M_S, I, limit,
-    stride_gm, stride_qm, stride_sm, stride_sg,
-    SCALE_FMT: tl.constexpr, HAS_RW: tl.constexpr, HAS_IDS: tl.constexpr, HAS_MAP: tl.constexpr,
-    USE_LIBDEVICE: tl.constexpr,
-):
+def _swiglu_load(gu_ptr, rw_ptr, ids_ptr, map_ptr, rows, g, M, I, stride_gm,
+                 HAS_RW: tl.constexpr, HAS_IDS: tl.constexpr, HAS_MAP: tl.constexpr):
+    """Loads of one [R, 128] tile: raw gate / up (input dtype), routing weight, row filter."""
     in_m = rows < M
     ok = in_m
     if HAS_IDS:
@@ -57,17 +55,32 @@ def _swiglu_quant_tile(
     cols = g * 128 + tl.arange(0, 128)
     mask = ok[:, None] & (cols < I)[None, :]
     base = gu_ptr + rows[:, None] * stride_gm + cols[None, :]
-    gate = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(base + I, mask=mask, other=0.0).to(tl.float32)
-    up = tl.clamp(up, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
-    gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+    gate = tl.load(base, mask=mask, other=0.0)
+    up = tl.load(base + I, mask=mask, other=0.0)
+    if HAS_RW:
+        w = tl.load(rw_ptr + rows, mask=ok, other=0.0)
+    else:
+        w = ok.to(tl.float32)  # unused
+    return gate, up, w, ok
+
+
+@triton.jit
+def _swiglu_compute_store(
+    gate, up, w, ok, q_ptr, s_ptr,
+    rows, g, M, M_S, I, limit,
+    stride_qm, stride_sm, stride_sg,
+    SCALE_FMT: tl.constexpr, HAS_RW: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
+):
+    cols = g * 128 + tl.arange(0, 128)
+    mask = ok[:, None] & (cols < I)[None, :]
+    up = tl.clamp(up.to(tl.float32), -limit, limit, propagate_nan=tl.PropagateNan.ALL)
+    gate = tl.minimum(gate.to(tl.float32), limit, propagate_nan=tl.PropagateNan.ALL)
     if USE_LIBDEVICE:
         e = libdevice.exp(-gate)
     else:  # interpreter: numpy exp (libdevice is not interpreted)
         e = tl.exp(-gate)
     h = tl.math.div_rn(gate, 1.0 + e) * up
     if HAS_RW:
-        w = tl.load(rw_ptr + rows, mask=ok, other=0.0)
         h = h * w[:, None]
     # masked entries loaded 0 (and weight 0), so h = 0 / (1 + 1) * 0 = +0 there already
     hb = round_to_bf16(h, not USE_LIBDEVICE)
@@ -89,9 +102,10 @@ def _swiglu_quant_group_kernel(
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     rows = row + tl.arange(0, 1)
-    _swiglu_quant_tile(gu_ptr, q_ptr, s_ptr, rw_ptr, ids_ptr, map_ptr, rows, g, M, M_S, I, limit,
-                       stride_gm, stride_qm, stride_sm, stride_sg,
-                       SCALE_FMT, HAS_RW, HAS_IDS, HAS_MAP, USE_LIBDEVICE)
+    gate, up, w, ok = _swiglu_load(gu_ptr, rw_ptr, ids_ptr, map_ptr, rows, g, M, I, stride_gm,
+                                   HAS_RW, HAS_IDS, HAS_MAP)
+    _swiglu_compute_store(gate, up, w, ok, q_ptr, s_ptr, rows, g, M, M_S, I, limit,
+                          stride_qm, stride_sm, stride_sg, SCALE_FMT, HAS_RW, USE_LIBDEVICE)
 
 
 @triton.jit
@@ -100,20 +114,36 @@ def _swiglu_quant_persistent_kernel(
     M, M_S, I, limit, row_blocks,
     stride_gm, stride_qm, stride_sm, stride_sg,
     SCALE_FMT: tl.constexpr, HAS_RW: tl.constexpr, HAS_IDS: tl.constexpr, HAS_MAP: tl.constexpr,
-    USE_LIBDEVICE: tl.constexpr, BLOCK_M: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr, BLOCK_M: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
     # Grid (P, G): program (p, g) walks row blocks p, p + P, ... of quant group g. The
     # programs of one row block (all g) start together, so the gate and up halves of those
     # rows stream through L2 together; no integer division per tile (the earlier flat
     # tile loop spent ~3 instructions per element on tile // G and tile % G).
+    # PREFETCH: the next tile's loads are issued before this tile's math (a register
+    # double buffer; Triton does not pipeline this loop by itself).
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     g = tl.program_id(1)
-    for rb in range(pid, row_blocks, nprog):
-        rows = (rb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        _swiglu_quant_tile(gu_ptr, q_ptr, s_ptr, rw_ptr, ids_ptr, map_ptr, rows, g, M, M_S, I, limit,
-                           stride_gm, stride_qm, stride_sm, stride_sg,
-                           SCALE_FMT, HAS_RW, HAS_IDS, HAS_MAP, USE_LIBDEVICE)
+    if PREFETCH:
+        rows = (pid * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        gate, up, w, ok = _swiglu_load(gu_ptr, rw_ptr, ids_ptr, map_ptr, rows, g, M, I, stride_gm,
+                                       HAS_RW, HAS_IDS, HAS_MAP)
+        for rb in range(pid, row_blocks, nprog):
+            rows = (rb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+            nrows = rows + nprog * BLOCK_M   # past M_S on the last lap: masked, nothing read
+            gate_n, up_n, w_n, ok_n = _swiglu_load(gu_ptr, rw_ptr, ids_ptr, map_ptr, nrows, g, M, I, stride_gm,
+                                                   HAS_RW, HAS_IDS, HAS_MAP)
+            _swiglu_compute_store(gate, up, w, ok, q_ptr, s_ptr, rows, g, M, M_S, I, limit,
+                                  stride_qm, stride_sm, stride_sg, SCALE_FMT, HAS_RW, USE_LIBDEVICE)
+            gate, up, w, ok = gate_n, up_n, w_n, ok_n
+    else:
+        for rb in range(pid, row_blocks, nprog):
+            rows = (rb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+            gate, up, w, ok = _swiglu_load(gu_ptr, rw_ptr, ids_ptr, map_ptr, rows, g, M, I, stride_gm,
+                                           HAS_RW, HAS_IDS, HAS_MAP)
+            _swiglu_compute_store(gate, up, w, ok, q_ptr, s_ptr, rows, g, M, M_S, I, limit,
+                                  stride_qm, stride_sm, stride_sg, SCALE_FMT, HAS_RW, USE_LIBDEVICE)
 
 
 def launch_swiglu_quant(gate_up, q_u8, s, rw, ids, emap, m_s: int, limit: float,
@@ -134,6 +164,9 @@ def launch_swiglu_quant(gate_up, q_u8, s, rw, ids, emap, m_s: int, limit: float,
         row_blocks = triton.cdiv(m_s, bm)
         nprog = max(1, min(row_blocks, PERSISTENT_PROGRAMS_PER_SM * num_sms // g))
         _swiglu_quant_persistent_kernel[(nprog, g)](*args, m, m_s, i, float(limit), row_blocks, *strides,
-                                                    **flags, BLOCK_M=bm, num_warps=PERSISTENT_NUM_WARPS)
+                                                    **flags, BLOCK_M=bm, PREFETCH=PERSISTENT_PREFETCH,
+                                                    num_warps=PERSISTENT_NUM_WARPS,
+                                                    **({} if PERSISTENT_MAXNREG is None else
+                                                       {"maxnreg": PERSISTENT_MAXNREG}))
     else:
         raise ValueError(f"swiglu_quant: strategy={strategy!r}, expected 'group' or 'persistent'")

@@ -70,6 +70,11 @@ class GemmConfig:
     # bitwise the default. routed_configs turns it on for gate_up where the H200 measured
     # a gain (session 5: 3-10 %); a conversion fused into act_quant would save its launches.
     a_bf16: bool = False
+    # ptxas register cap per thread (None: the compiler's choice). Session 5 measured caps
+    # on the prefill tile body (250 -> 128..168 registers): spills, 1.2-1.9x slower. The
+    # swap body sits at 147 (3 programs per SM); 128 fits 4 with an 8-byte spill (local
+    # sm_90 compile); probed in session 6 by scripts/gpu_probe_swz.py.
+    maxnreg: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("tile", "swap", "gemv"):
@@ -83,6 +88,8 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.block_n={self.block_n}: expected 16, 32, 64, 128 or 256")
         if self.a_bf16 and self.kind != "swap":
             raise ValueError(f"GemmConfig.a_bf16=True needs kind 'swap', got kind={self.kind!r}")
+        if self.maxnreg is not None and (not isinstance(self.maxnreg, int) or not 24 <= self.maxnreg <= 255):
+            raise ValueError(f"GemmConfig.maxnreg={self.maxnreg!r}: expected None or an int in [24, 255]")
         if not isinstance(self.split_k, int) or self.split_k < 1 or (self.split_k > 1 and self.kind == "tile"):
             raise ValueError(f"GemmConfig.split_k={self.split_k!r}: expected an int >= 1 (1 for kind 'tile')")
 
@@ -243,9 +250,14 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
         SOFTWARE_BF16=interpreting(),
         A_SPLIT=cfg.a_split, W_KN=cfg.w_kn, SCALE_BCAST=cfg.scale_bcast, DIAG=cfg.diag,
         ASM=cfg.asm and cfg.scale_bcast and not interpreting(), W_SWZ=swz,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, **_launch_opts(cfg),
     )
     return out
+
+
+def _launch_opts(cfg: GemmConfig) -> dict:
+    """Extra Triton launch options of a config (the interpreter ignores them)."""
+    return {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
 
 
 def bf16_pairs(q: torch.Tensor) -> torch.Tensor:
@@ -279,7 +291,7 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
     common = dict(A_GATHER=gather_a, OUT_SCATTER=scatter_out, K=k, BLOCK_N=cfg.block_n,
                   NUM_STAGES=cfg.num_stages, KB_PER=kb_per, SPLIT=split, SOFTWARE_BF16=interpreting(),
                   ASM=cfg.asm and not interpreting(),
-                  num_warps=cfg.num_warps)
+                  num_warps=cfg.num_warps, **_launch_opts(cfg))
     if cfg.kind == "swap":
         _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, W_SWZ=swz, A_BF16=cfg.a_bf16,
                                               DIAG=cfg.diag, **common)

@@ -58,7 +58,8 @@ def ulp_stats(a, b):
 
 def label(cfg, layout):
     return (f"{layout:5s} {cfg.kind}{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
-            f" sk{cfg.split_k} asm{int(cfg.asm)}{' bf16A' if cfg.a_bf16 else ''}{f' DIAG{cfg.diag}' if cfg.diag else ''}")
+            f" sk{cfg.split_k} asm{int(cfg.asm)}{' bf16A' if cfg.a_bf16 else ''}{f' DIAG{cfg.diag}' if cfg.diag else ''}"
+            f"{f' r{cfg.maxnreg}' if cfg.maxnreg else ''}")
 
 
 def main():
@@ -66,6 +67,8 @@ def main():
     ap.add_argument("--budget-s", type=float, default=300)
     ap.add_argument("--ts", default="1,4,16,64,256,1024,4096")
     ap.add_argument("--shapes", default="flash_up,flash_down,pro_up,pro_down")
+    ap.add_argument("--regs", action="store_true",
+                    help="only the mma64 default and register / stage variants of it")
     ap.add_argument("--diag", action="store_true",
                     help="only the mma64 default and its DIAG twins (1: no dequantisation, 2: no MMA; "
                          "wrong values) to split its time into load, conversion and MMA")
@@ -146,6 +149,12 @@ def main():
                           (GemmConfig(32, 128, 4, 3, asm=True), "mma64"),
                           (GemmConfig(64, 128, 4, 4, asm=True), "nk"),
                           (GemmConfig(32, 128, 4, 3, kind="swap", asm=True, a_bf16=True), "mma64")]
+            if args.regs:  # session 6: more programs per SM for the decode swap body (147 regs -> 3/SM)
+                c = {**new_cfg.__dict__, "a_bf16": gather and new_cfg.kind == "swap" and rows_per >= 0.2}
+                base = GemmConfig(**c)
+                cands = [(base, "mma64")] + [(GemmConfig(**{**c, **kw}), "mma64") for kw in (
+                    dict(maxnreg=128), dict(num_stages=2), dict(num_stages=3, maxnreg=128), dict(num_warps=8),
+                    dict(num_stages=2, maxnreg=120))]
             if args.diag:
                 cands = [(new_cfg, "mma64")] + [(GemmConfig(**{**new_cfg.__dict__, "diag": d}), "mma64") for d in (1, 2)]
             results = {}
