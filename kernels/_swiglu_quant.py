@@ -30,10 +30,14 @@ from ._triton_utils import interpreting, quant_group_tile, round_to_bf16
 # NOTE: measured on the H200 (2026-11-29, session 3, docs/bench/2026-11-29/session3/):
 # with 4 programs per SM ncu showed 23 % achieved occupancy and 36 % of DRAM peak at
 # I=2048, M=8192 (the tile loop is not pipelined, so warps in flight are what hides
-# latency). us at 4 / 8 / 16 programs per SM: I=2048 M=8192 46.4 / 40.8 / 36.8,
-# I=3072 M=8192 68.4 / 57.7 / 53.3, I=2048 M=4096 24.8 / 22.7 / 21.8, I=384 M=8192
-# 13.2 / 11.8 / 12.0. Re-tune with scripts/bench_swiglu_quant.py (pps columns in the JSON).
-PERSISTENT_PROGRAMS_PER_SM = 16
+# latency). Session 6 (docs/bench/2026-11-29/session6/, after cutting the instructions
+# per element from ~55 to ~43): us at 16 / 32 / 64 programs per SM, I=2048 M=8192
+# 34.3 / 30.9 / 31.4, I=3072 M=8192 48.2 / 44.8 / 44.5, I=2048 M=4096 18.4 / 18.4 / 18.1;
+# 16-row tiles of 4 warps beat 8 x 2 and 32 x 4, and a register prefetch of the next tile
+# (PERSISTENT_PREFETCH, 95 registers) or a 64-register cap were slower. ncu at 16 per SM:
+# issue slots 62 % busy, DRAM 50 %, 72 registers (7 programs resident per SM). Re-tune
+# with scripts/gpu_check_shared.py --parts t_swiglu (its sweep columns in the JSON).
+PERSISTENT_PROGRAMS_PER_SM = 32
 PERSISTENT_BLOCK_M = 16
 PERSISTENT_NUM_WARPS = 4
 PERSISTENT_PREFETCH = False

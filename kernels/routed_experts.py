@@ -60,6 +60,13 @@ def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmCo
     rows = num_routes / max(routed.num_local, 1)
     if up.kind == "swap" and up.split_k == 1 and routed.layout == "mma64" and rows >= 0.2 and h % 128 == 0:
         up = dataclasses.replace(up, a_bf16=True)
+    # NOTE: a 128-register cap on the short-K down GEMM (147 -> 128 registers, 3 -> 4 programs
+    # per SM, an 8-byte spill). H200 probe, session 6 (docs/bench/2026-11-29/session6/
+    # probe_swz_regs_b805197.txt, us): Pro-TP8 down (K = 384) T=4 25.1 -> 23.9, T=16 80.6 ->
+    # 78.5, T=64 206.9 -> 195.6, T=256 314.2 -> 303.2, but T=1 9.8 -> 10.4; Flash down (K =
+    # 2048) and every gate_up level or slower (Flash gate_up T=1 39.2 -> 42.7).
+    if down.kind == "swap" and routed.layout == "mma64" and i <= 1024 and rows >= 0.05:
+        down = dataclasses.replace(down, maxnreg=128)
     return up, down
 
 

@@ -379,8 +379,32 @@ def test_mma64_guards_and_select_config():
         assert up.a_bf16 == (up.kind == "swap" and up.split_k == 1 and t * 6 / 384 >= 0.2), (t, up)
         assert not down.a_bf16
     assert routed_configs(16 * 6, pro_tp8)[0].a_bf16 and not routed_configs(4 * 6, pro_tp8)[0].a_bf16
+    # register cap on the short-K down swap body from 0.05 routes per expert (session 6 probe)
+    for t in (1, 4, 16, 256):
+        up, down = routed_configs(t * 6, pro_tp8)
+        assert down.maxnreg == (128 if down.kind == "swap" and t * 6 / 384 >= 0.05 else None), (t, down)
+        assert up.maxnreg is None
+    assert routed_configs(4 * 6, pro_tp8)[1].maxnreg == 128 and routed_configs(6, pro_tp8)[1].maxnreg is None
     nk = dataclasses.replace(pro_tp8, layout="nk")  # "nk" decodes on the tile/GEMV bodies: no pairs
     assert not any(routed_configs(t * 6, nk)[0].a_bf16 for t in (16, 256, 1024))
+
+
+def test_gemm_config_maxnreg_guard_and_interpreted_equality():
+    """GemmConfig.maxnreg: validated; a launch option only (the interpreter ignores it), so
+    the capped config computes the same bits as the uncapped one."""
+    with pytest.raises(ValueError, match="maxnreg=7"):
+        GemmConfig(16, 64, kind="swap", maxnreg=7)
+    with pytest.raises(ValueError, match="maxnreg='128'"):
+        GemmConfig(16, 64, kind="swap", maxnreg="128")
+    g = torch.Generator().manual_seed(3)
+    w, s = _weights(4, 64, 128, g)
+    ids = torch.tensor([[0, 1], [1, 2], [3, 0]], dtype=torch.int32)
+    a = moe_align(ids, 4, 0, 16)
+    q, sa = ref.act_quant(torch.randn(3, 128, generator=g).bfloat16())
+    outs = [mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False,
+                               config=GemmConfig(16, 64, 4, 2, kind="swap", maxnreg=r))[a.route_rows.long()]
+            for r in (None, 128)]
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
 
 
 def test_bf16_pairs_layout():
