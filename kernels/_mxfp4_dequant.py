@@ -42,43 +42,40 @@ def _nibbles_to_f32(bits_lo, bits_hi, SELECT: tl.constexpr):
 
 # e2m1 pairs -> bf16x2 on the bits, then one bf16x2 multiply by the group's 2^(s-1) (sm_90's
 # mul.rn.bf16x2). Per 4 packed bytes ($4, elements 0..3 in its bytes 0..3) and their
-# groups' scales as bf16x2 ($5..$8, one per element, the same value in both halves; the
-# 4 elements of one pack are one group's in the tile body but NOT in every layout, e.g.
-# the swap body's MMA-operand layout, so each pair takes its own two scales, 1 prmt):
-# a bf16 with magnitude code c at bits 6..8 is exactly |e2m1(c)| * 2^-126 (c = 1 lands on
-# the bf16 subnormal 2^-127), as in _nibbles_to_f32, so the product with 2^(s-1) is
-# |e2m1(c)| * 2^(s-127), exact for s <= 128 (rounding never happens); the sign bit is
-# then OR-ed in (ptxas folds the and + or into one LOP3). Per 8 weights: 4 prmt +
-# 4 x (2 shifts, and, mul, and-or) where the first version rebuilt the scales from the
-# bytes per 4 weights (4 more instructions) and multiplied the signed value.
+# groups' scales as bf16 2^(s-1), one per element, packed two per register by
+# inline_asm_elementwise exactly like the outputs ($5: elements 0 and 1, the pair of
+# outputs $0 / $2; $6: elements 2 and 3, of $1 / $3), so the construction is exact for any
+# pairing of elements to groups (session 6: the scales used to arrive as one 32-bit word per
+# element and cost two prmt per pack): a bf16 with magnitude code c at bits 6..8 is exactly
+# |e2m1(c)| * 2^-126 (c = 1 lands on the bf16 subnormal 2^-127), as in _nibbles_to_f32, so
+# the product with 2^(s-1) is |e2m1(c)| * 2^(s-127), exact for s <= 128 (rounding never
+# happens); the sign bit is then OR-ed in (ptxas folds the and + or into one LOP3).
 _E2M1X4_TO_BF16_ASM = tl.constexpr("""
 {
-.reg .b32 x, y, t, u, sa, sb;
+.reg .b32 x, y, t, u;
 prmt.b32 x, $4, 0, 0x4140;
 prmt.b32 y, $4, 0, 0x4342;
-prmt.b32 sa, $5, $6, 0x5410;
-prmt.b32 sb, $7, $8, 0x5410;
 shl.b32 t, x, 6;
 and.b32 t, t, 0x01C001C0;
-mul.rn.bf16x2 t, t, sa;
+mul.rn.bf16x2 t, t, $5;
 shl.b32 u, x, 12;
 and.b32 u, u, 0x80008000;
 or.b32 $0, t, u;
 shl.b32 t, y, 6;
 and.b32 t, t, 0x01C001C0;
-mul.rn.bf16x2 t, t, sb;
+mul.rn.bf16x2 t, t, $6;
 shl.b32 u, y, 12;
 and.b32 u, u, 0x80008000;
 or.b32 $1, t, u;
 shl.b32 t, x, 2;
 and.b32 t, t, 0x01C001C0;
-mul.rn.bf16x2 t, t, sa;
+mul.rn.bf16x2 t, t, $5;
 shl.b32 u, x, 8;
 and.b32 u, u, 0x80008000;
 or.b32 $2, t, u;
 shl.b32 t, y, 2;
 and.b32 t, t, 0x01C001C0;
-mul.rn.bf16x2 t, t, sb;
+mul.rn.bf16x2 t, t, $6;
 shl.b32 u, y, 8;
 and.b32 u, u, 0x80008000;
 or.b32 $3, t, u;
@@ -87,24 +84,32 @@ or.b32 $3, t, u;
 
 
 @triton.jit
+def _scales_bf16(sb4, BLOCK_N: tl.constexpr):
+    """[BLOCK_N, 4] e8m0 bytes -> [BLOCK_N, 4, 16] bf16 2^(s-1) (exact for s <= 128), one
+    per element of the [BLOCK_N, 64] tile viewed as [BLOCK_N, 4 groups, 16]."""
+    s16 = ((sb4.to(tl.int32) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return tl.broadcast_to(s16[:, :, None], (BLOCK_N, 4, 16))
+
+
+@triton.jit
 def _dequant_w_asm(packed, sb4, BLOCK_N: tl.constexpr):
     """Packed [BLOCK_N, 64] uint8 + [BLOCK_N, 4] uint8 e8m0 -> bf16 (even k, odd k) tiles of
     e2m1 * 2^(s-127), exactly, by the inline PTX above (GPU only)."""
     p3 = tl.reshape(packed.to(tl.uint8), (BLOCK_N, 4, 16))
-    s2 = ((sb4.to(tl.int32) + 126) << 7) * 0x10001      # bf16x2 2^(s-1) per group, both halves
-    s3 = tl.broadcast_to(s2[:, :, None], (BLOCK_N, 4, 16))
     w_lo, w_hi = tl.inline_asm_elementwise(
-        _E2M1X4_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r,r,r", [p3, s3],
+        _E2M1X4_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r", [p3, _scales_bf16(sb4, BLOCK_N)],
         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     return tl.reshape(w_lo, (BLOCK_N, 64)), tl.reshape(w_hi, (BLOCK_N, 64))
 
 
 # e2m1 pairs -> bf16x2 for the "mma64" weight layout (fewer instructions than the asm
-# above: 18 instead of 24 per 4 packed bytes, SASS loop of the swap body 614 -> ~500).
-# The element pair (e0, e1) of one output register is (k, k+1) of one row there (the
-# MMA operand's pair), but nothing here relies on it: each pair still takes its own two
-# scales by prmt, so the construction is exact for any pairing. Bytes go to the HIGH byte
-# of each 16-bit half (x = [e1 0 e0 0]); then per half:
+# above: 16 + 2 instead of 22 per 4 packed bytes). The scales come in as a bf16 tensor
+# (2^(s-1) per element), which inline_asm_elementwise packs two per register exactly like
+# the outputs: $5 holds the scales of elements 0 and 1 (the pair of output $0 / $2), $6
+# those of elements 2 and 3 ($1 / $3), so no prmt gathers them (session 6: the two prmt
+# per 4 bytes of the first version were 28 of the swap body's 531-instruction SASS loop)
+# and the construction stays exact for any pairing. Bytes go to the HIGH byte of each
+# 16-bit half (x = [e1 0 e0 0]); then per half:
 #   low nibble  (bits 8..11): magnitude >> 2 -> bits 6..8, sign << 4 -> bit 15, one LOP3
 #                             ((a | b) & 0x81C0: a and b are zero where the other lands)
 #   high nibble (bits 12..15): magnitude >> 6 -> bits 6..8 (masked: the low nibble's bit 0
@@ -115,43 +120,40 @@ def _dequant_w_asm(packed, sb4, BLOCK_N: tl.constexpr):
 # tests/test_kernels_mxfp4_gemm.py::test_swz_dequant_ptx_emulated_bitwise).
 _E2M1X4_TO_BF16_SWZ_ASM = tl.constexpr("""
 {
-.reg .b32 x, y, t, u, sa, sb;
+.reg .b32 x, y, t, u;
 prmt.b32 x, $4, 0, 0x1404;
 prmt.b32 y, $4, 0, 0x3424;
-prmt.b32 sa, $5, $6, 0x5410;
-prmt.b32 sb, $7, $8, 0x5410;
 shr.b32 t, x, 2;
 shl.b32 u, x, 4;
 or.b32 t, t, u;
 and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $0, t, sa;
+mul.rn.bf16x2 $0, t, $5;
 shr.b32 t, y, 2;
 shl.b32 u, y, 4;
 or.b32 t, t, u;
 and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $1, t, sb;
+mul.rn.bf16x2 $1, t, $6;
 shr.b32 t, x, 6;
 and.b32 t, t, 0x01C001C0;
 and.b32 u, x, 0x80008000;
 or.b32 t, t, u;
-mul.rn.bf16x2 $2, t, sa;
+mul.rn.bf16x2 $2, t, $5;
 shr.b32 t, y, 6;
 and.b32 t, t, 0x01C001C0;
 and.b32 u, y, 0x80008000;
 or.b32 t, t, u;
-mul.rn.bf16x2 $3, t, sb;
+mul.rn.bf16x2 $3, t, $6;
 }
 """)
 
 
 @triton.jit
 def _dequant_w_swz_asm(packed, sb4, BLOCK_N: tl.constexpr):
-    """As _dequant_w_asm, by _E2M1X4_TO_BF16_SWZ_ASM (GPU only)."""
+    """As _dequant_w_asm, by _E2M1X4_TO_BF16_SWZ_ASM (GPU only); the scales are handed
+    over as bf16 2^(s-1), one per element (packed two per register by Triton)."""
     p3 = tl.reshape(packed.to(tl.uint8), (BLOCK_N, 4, 16))
-    s2 = ((sb4.to(tl.int32) + 126) << 7) * 0x10001
-    s3 = tl.broadcast_to(s2[:, :, None], (BLOCK_N, 4, 16))
     w_lo, w_hi = tl.inline_asm_elementwise(
-        _E2M1X4_TO_BF16_SWZ_ASM, "=r,=r,=r,=r,r,r,r,r,r", [p3, s3],
+        _E2M1X4_TO_BF16_SWZ_ASM, "=r,=r,=r,=r,r,r,r", [p3, _scales_bf16(sb4, BLOCK_N)],
         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     return tl.reshape(w_lo, (BLOCK_N, 64)), tl.reshape(w_hi, (BLOCK_N, 64))
 

@@ -278,7 +278,8 @@ def _run_ptx(src: str, regs: dict) -> dict:
 @pytest.mark.parametrize("which", ["_E2M1X4_TO_BF16_ASM", "_E2M1X4_TO_BF16_SWZ_ASM"])
 def test_swz_dequant_ptx_emulated_bitwise(which):
     """Both dequantisation PTX blocks, run by the interpreter above for every byte value
-    (both nibbles) and scale bytes 0, 1, 100, 127, 128 - four different scales per pack -
+    (both nibbles) and scale bytes 0, 1, 100, 127, 128 - four different scales per pack,
+    handed over as bf16 2^(s-1) two per register as inline_asm_elementwise packs them -
     against e2m1 * 2^(s - 127) rounded to bf16 (exact): the same bits, -0.0 included."""
     from dsv4_moe.kernels import _mxfp4_dequant as body
     from dsv4_moe.weights.formats import e2m1_codes_to_float
@@ -286,11 +287,11 @@ def test_swz_dequant_ptx_emulated_bitwise(which):
     src = getattr(body, which).value
     scale_sets = [(0, 1, 100, 127), (128, 127, 1, 0), (100, 100, 128, 128)]
     for sc in scale_sets:
-        sw = [(((s + 126) << 7) * 0x10001) & 0xFFFFFFFF for s in sc]
+        b16 = [((s + 126) << 7) & 0xFFFF for s in sc]  # bf16 2^(s-1), two per register ($5, $6)
         for b0 in range(256):
             pack = [b0, (b0 * 37 + 11) & 255, (b0 * 91 + 3) & 255, 255 - b0]
             regs = {"$4": pack[0] | pack[1] << 8 | pack[2] << 16 | pack[3] << 24,
-                    "$5": sw[0], "$6": sw[1], "$7": sw[2], "$8": sw[3]}
+                    "$5": b16[0] | b16[1] << 16, "$6": b16[2] | b16[3] << 16}
             out = _run_ptx(src, regs)
             for i, byte in enumerate(pack):
                 for nib, reg in ((byte & 0xF, 0), (byte >> 4, 2)):
