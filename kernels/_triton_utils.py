@@ -25,7 +25,7 @@ import triton.language as tl
 __all__ = [
     "SCALE_FMT_FP32", "SCALE_FMT_E8M0", "SCALE_FMT_FP32_CM", "SCALE_FMT_AMAX", "SCALE_FMTS",
     "QUANT_BLOCK", "E4M3_MAX", "AMAX_FLOOR", "interpreting", "quant_group_tile", "ue8m0_from_amax",
-    "round_to_bf16", "cast_e4m3_bytes",
+    "round_to_bf16", "cast_e4m3_bytes", "split_k_arrive", "split_k_reset",
 ]
 
 # NOTE: integer codes are constexpr kernel arguments; fp32 and fp32_cm compute the same
@@ -144,3 +144,23 @@ def quant_group_tile(x, SCALE_FMT: tl.constexpr, SOFTWARE: tl.constexpr):
     # NaN (fixed up in cast_e4m3_bytes). With UE8M0 scales and bf16 inputs |y| <= 448
     # anyway; the "amax" format's divide can land just above it.
     return cast_e4m3_bytes(y, SOFTWARE), s_store
+
+
+@triton.jit
+def split_k_arrive(cnt_ptr, num_splits):
+    """Count this program's arrival at its split-K tile (after its partials are stored) and
+    return True in the program that arrives last (kernels/split_k.py has the protocol).
+
+    The CTA barrier orders every thread's workspace stores before the one atomic (Triton
+    issues a scalar atomic from one thread and broadcasts the result); acq_rel at GPU
+    scope makes the other programs' stores visible to the last one, which then reads the
+    workspace through L2 (`.cg`) and resets the counter with `split_k_reset`."""
+    tl.debug_barrier()
+    old = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    return old == num_splits - 1
+
+
+@triton.jit
+def split_k_reset(cnt_ptr):
+    """Set a split-K tile counter back to 0 (done by the tile's last program)."""
+    tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")

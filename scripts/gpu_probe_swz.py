@@ -59,7 +59,7 @@ def ulp_stats(a, b):
 def label(cfg, layout):
     return (f"{layout:5s} {cfg.kind}{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
             f" sk{cfg.split_k} asm{int(cfg.asm)}{' bf16A' if cfg.a_bf16 else ''}{f' DIAG{cfg.diag}' if cfg.diag else ''}"
-            f"{f' r{cfg.maxnreg}' if cfg.maxnreg else ''}")
+            f"{f' r{cfg.maxnreg}' if cfg.maxnreg else ''}{' 2launch' if cfg.split_k > 1 and not cfg.split_fixup else ''}")
 
 
 def main():
@@ -67,6 +67,9 @@ def main():
     ap.add_argument("--budget-s", type=float, default=300)
     ap.add_argument("--ts", default="1,4,16,64,256,1024,4096")
     ap.add_argument("--shapes", default="flash_up,flash_down,pro_up,pro_down")
+    ap.add_argument("--fixup", action="store_true",
+                    help="split-K with the in-kernel last-program sum vs the separate reduce launch "
+                         "(and the shared FP8 GEMV at M = 1 the same way)")
     ap.add_argument("--regs", action="store_true",
                     help="only the mma64 default and register / stage variants of it")
     ap.add_argument("--diag", action="store_true",
@@ -155,6 +158,11 @@ def main():
                 cands = [(base, "mma64")] + [(GemmConfig(**{**c, **kw}), "mma64") for kw in (
                     dict(maxnreg=128), dict(num_stages=2), dict(num_stages=3, maxnreg=128), dict(num_warps=8),
                     dict(num_stages=2, maxnreg=120))]
+            if args.fixup:  # session 6: the split-K sum in the tile's last program vs its own launch
+                cands = [(new_cfg, "mma64")]
+                for sk in ((new_cfg.split_k,) if new_cfg.split_k > 1 else (2, 4)):
+                    for fx in (True, False):
+                        cands.append((GemmConfig(**{**new_cfg.__dict__, "split_k": sk, "split_fixup": fx}), "mma64"))
             if args.diag:
                 cands = [(new_cfg, "mma64")] + [(GemmConfig(**{**new_cfg.__dict__, "diag": d}), "mma64") for d in (1, 2)]
             results = {}
@@ -189,8 +197,43 @@ def main():
                 print(f"{name:10s} T={t:5d} {label(cfg, layout):38s} {us:8.1f} us {wbytes / us / 1e6:5.2f} TB/s "
                       f"x{base_us / us:4.2f} differ {fb:.4%} max {mb} {checks}"
                       f"{' <- default' if key in ((base_cfg, 'nk'), (new_cfg, 'mma64')) else ''}", flush=True)
+    if args.fixup:
+        _probe_fp8_fixup(rows)
     with open(os.path.join(out_dir, "probe_swz.json"), "w") as f:
         json.dump(rows, f, indent=1)
+
+
+def _probe_fp8_fixup(rows):
+    """The shared expert's FP8 GEMMs at M = 1..4 (split-K GEMV / tile bodies): the in-kernel
+    last-program sum vs the separate phase-2 launch, bitwise and timed (weights rotated over
+    8 copies so 4 of the 8 MB..17 MB matrices do not sit in L2)."""
+    from dsv4_moe.kernels.fp8_block_gemm import choose_config, fp8_block_gemm_nt
+    from dsv4_moe.testing import random_fp8_block_weight
+    g = torch.Generator(device=DEV).manual_seed(1)
+    for name, n, k in (("flash_shared_up", 4096, 4096), ("flash_shared_down", 4096, 2048),
+                       ("pro_shared_up", 768, 7168), ("pro_tp1_shared_up", 6144, 7168)):
+        ws = [random_fp8_block_weight(n, k, generator=g) for _ in range(8)]
+        for m in (1, 4):
+            q, sa = act_quant(torch.randn(m, k, device=DEV).bfloat16())
+            cfg = choose_config(m, n, k)
+            if cfg.get("SPLIT_K", 1) == 1:
+                print(f"{name:18s} M={m} not split", flush=True)
+                continue
+            res = {}
+            for fx in (True, False):
+                c = {**cfg, "SPLIT_FIXUP": fx}
+                outs = [torch.empty(m, n, dtype=torch.bfloat16, device=DEV) for _ in ws]
+
+                def fn(c=c, outs=outs):
+                    for (w, sw), o in zip(ws, outs):
+                        fp8_block_gemm_nt(q, sa, w, sw, out=o, config=c)
+                us = graph_time(fn) / len(ws)
+                res[fx] = (outs[0].clone(), us)
+            same = bool(torch.equal(res[True][0].view(torch.int16), res[False][0].view(torch.int16)))
+            rows.append(dict(shape=name, T=m, cfg=repr(cfg), fixup_us=res[True][1], two_launch_us=res[False][1],
+                             bitwise=same))
+            print(f"{name:18s} M={m} split {cfg['SPLIT_K']:3d} {'GEMV' if cfg.get('GEMV') else 'tile'} "
+                  f"fixup {res[True][1]:6.1f} us  two launches {res[False][1]:6.1f} us  bitwise {same}", flush=True)
 
 
 if __name__ == "__main__":

@@ -126,6 +126,11 @@ def test_split_k_bitwise_equals_single_pass(m, n, k, split_k):
     one = fp8_block_gemm_nt(*args, config=cfg, split_k=1).cpu()
     many = fp8_block_gemm_nt(*args, config=cfg, split_k=split_k).cpu()
     assert torch.equal(one.view(torch.int16), many.view(torch.int16))
+    # the in-kernel last-program sum (default) == the two-launch phase 2, counters left at 0
+    two = fp8_block_gemm_nt(*args, config={**cfg, "SPLIT_FIXUP": False}, split_k=split_k).cpu()
+    assert torch.equal(two.view(torch.int16), many.view(torch.int16))
+    from dsv4_moe.kernels.split_k import tile_counters
+    assert int(tile_counters(args[0].device, 0).abs().sum()) == 0
     want = ref.fp8_gemm(q, sa, w, sw)
     ulp = bf16_ulp_diff(many, want)
     assert (ulp > 0).float().mean().item() <= MAX_DIFF_FRACTION and ulp.max().item() <= MAX_ULP
