@@ -137,7 +137,7 @@ def _fp8_block_gemm_kernel(
             if split_k_arrive(cnt_ptr + pid, tl.num_programs(1)):
                 p = ws_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for kb in tl.static_range(NUM_KB):  # _splitk_sum_kernel's sum: block order from +0.0
+                for kb2 in tl.static_range(NUM_KB):  # _splitk_sum_kernel's sum: block order from +0.0
                     acc = acc + tl.load(p, mask=out_mask, other=0.0, cache_modifier=".cg")
                     p += M * N
                 c = round_to_bf16(acc, SOFTWARE).to(tl.bfloat16)
@@ -210,7 +210,7 @@ def _fp8_gemv_kernel(
         if split_k_arrive(cnt_ptr + pid, tl.num_programs(1)):
             p = ws_ptr + m.to(tl.int64) * N + offs_n
             acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for kb in tl.static_range(NUM_KB):
+            for kb2 in tl.static_range(NUM_KB):
                 acc = acc + tl.load(p, mask=n_ok, other=0.0, cache_modifier=".cg")
                 p += M * N
             c = round_to_bf16(acc, SOFTWARE).to(tl.bfloat16)

@@ -417,8 +417,8 @@ def _mxfp4_gemv_kernel(
         cnt = cnt_ptr + pid_m * tl.num_programs(1) + pid_n
         if split_k_arrive(cnt, tl.num_programs(2)):
             tot = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for kb in tl.static_range((K + 127) // 128):
-                tot += tl.load(ws_ptr + kb * R * N + route * N + n, mask=n_ok, other=0.0, cache_modifier=".cg")
+            for kb2 in tl.static_range((K + 127) // 128):
+                tot += tl.load(ws_ptr + kb2 * R * N + route * N + n, mask=n_ok, other=0.0, cache_modifier=".cg")
             if SOFTWARE_BF16:
                 tot = round_to_bf16(tot, True)
             tl.store(out_ptr + orow * stride_om + n, tot.to(tl.bfloat16), mask=n_ok)
