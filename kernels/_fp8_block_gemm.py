@@ -93,12 +93,11 @@ def _block_partial(a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, kb, K, stride_sak, stride_s
 # KB, which differs between the V4 shapes); M, N, K and the operand strides are.
 @triton.jit(do_not_specialize=["num_kb", "kb_per_split", "stride_sam", "stride_sak", "stride_sbn", "stride_sbk"])
 def _fp8_block_gemm_kernel(
-    a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, ws_ptr, cnt_ptr,
+    a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, ws_ptr,
     M, N, K, num_kb, kb_per_split,
     stride_am, stride_bn, stride_sam, stride_sak, stride_sbn, stride_sbk, stride_cm,
     SB_E8M0: tl.constexpr, EVEN_K: tl.constexpr, IMPRECISE: tl.constexpr, SOFTWARE: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    FIXUP: tl.constexpr = False, NUM_KB: tl.constexpr = 0,  # SPLIT: last program sums ws (split_k.py)
 ):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -133,16 +132,6 @@ def _fp8_block_gemm_kernel(
                                SB_E8M0, EVEN_K, IMPRECISE)
             tl.store(ws_ptrs, v, mask=out_mask)
             ws_ptrs += M * N
-        if FIXUP:
-            if split_k_arrive(cnt_ptr + pid, tl.num_programs(1)):
-                p = ws_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for kb2 in tl.static_range(NUM_KB):  # _splitk_sum_kernel's sum: block order from +0.0
-                    acc = acc + tl.load(p, mask=out_mask, other=0.0, cache_modifier=".cg")
-                    p += M * N
-                c = round_to_bf16(acc, SOFTWARE).to(tl.bfloat16)
-                tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :], c, mask=out_mask)
-                split_k_reset(cnt_ptr + pid)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, num_kb):
@@ -162,7 +151,8 @@ def _fp8_gemv_kernel(
     stride_am, stride_bn, stride_sam, stride_sak, stride_sbn, stride_sbk, stride_cm,
     SB_E8M0: tl.constexpr, EVEN_K: tl.constexpr, SOFTWARE: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-    FIXUP: tl.constexpr = False, NUM_KB: tl.constexpr = 0,  # as in _fp8_block_gemm_kernel
+    FIXUP: tl.constexpr = False,   # SPLIT: the tile's last program sums ws (kernels/split_k.py)
+    NUM_KB: tl.constexpr = 0,      # FIXUP: K blocks to sum (unrolled, as in _splitk_sum_kernel)
 ):
     """Decode body (GEMV config): one activation row x BLOCK_N weight rows per program on
     the CUDA cores. Per K block the 128 exact fp32 products are summed in any order (the
@@ -258,9 +248,15 @@ def launch_fp8_block_gemm(q_u8, sa, w_u8, sw, out, cfg: dict, interpreting: bool
     extra = {} if interpreting else dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                                          enable_fp_fusion=False)
     ws = torch.empty((num_kb, m, n) if split_k > 1 else (1,), dtype=torch.float32, device=out.device)
-    # NOTE (session 6): split-K sums its workspace in the tile's last program by default
-    # (kernels/split_k.py), bitwise the two-launch phase 2 (SPLIT_FIXUP=False keeps that)
-    fixup = split_k > 1 and cfg.get("SPLIT_FIXUP", True)
+    # NOTE (session 6): the split-K GEMV (M = 1) sums its workspace in the tile's last
+    # program (kernels/split_k.py), bitwise the two-launch phase 2 (SPLIT_FIXUP=False keeps
+    # that). H200, CUDA graphs, us fixup / two launches (probe_fixup_67a29ba.txt): Flash
+    # shared gate_up 8.8 / 9.4, down 6.4 / 6.8, Pro-TP8 gate_up 5.4 / 6.5, Pro-TP1 gate_up
+    # 17.0 / 18.9. The tile body (M = 4) lost with it (Flash gate_up 11.4 / 10.9, Pro-TP8
+    # 8.2 / 7.0), and so did the routed MXFP4 swap body (Flash gate_up T=1 47.7 / 39.1,
+    # Pro-TP8 25.6 / 19.1: the last program's serial reduction, 160-178 registers), so
+    # those keep the second launch.
+    fixup = split_k > 1 and bool(cfg.get("GEMV", False)) and cfg.get("SPLIT_FIXUP", True)
     programs = m * triton.cdiv(n, bn) if cfg.get("GEMV", False) else tiles
     if fixup:
         from .split_k import tile_counters
@@ -276,10 +272,10 @@ def launch_fp8_block_gemm(q_u8, sa, w_u8, sw, out, cfg: dict, interpreting: bool
             **fix, **extra)
     else:
         _fp8_block_gemm_kernel[(tiles, split_k)](
-            a, sa, b, sw, out, ws, cnt, m, n, k, num_kb, kb_per,
+            a, sa, b, sw, out, ws, m, n, k, num_kb, kb_per,
             a.stride(0), b.stride(0), sa.stride(0), sa.stride(1), sw.stride(0), sw.stride(1), out.stride(0),
             SB_E8M0=sb_e8m0, EVEN_K=(k % 128 == 0), IMPRECISE=cfg.get("IMPRECISE", 32), SOFTWARE=interpreting,
-            SPLIT=split_k > 1, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), **fix, **extra,
+            SPLIT=split_k > 1, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), **extra,
         )
     if split_k > 1 and not fixup:
         extra2 = {} if interpreting else dict(num_warps=SUM_BLOCK // 128, num_stages=1, enable_fp_fusion=False)

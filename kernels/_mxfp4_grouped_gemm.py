@@ -52,7 +52,7 @@ import triton.language as tl
 
 from ._mxfp4_dequant import (_dequant_w, _dequant_w_asm, _dequant_w_swz_asm, _mma64_tile_ptrs, _mma64_unswizzle,
                              _nibbles_to_f32)
-from ._triton_utils import round_to_bf16, split_k_arrive, split_k_reset
+from ._triton_utils import round_to_bf16
 
 
 @triton.jit
@@ -199,7 +199,7 @@ def _mxfp4_grouped_gemm_kernel(
 
 @triton.jit
 def _mxfp4_grouped_gemm_swap_kernel(
-    a_ptr, sa_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr,
+    a_ptr, sa_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr,
     sorted_ids_ptr, block_expert_ptr, num_blocks_ptr,
     N, R, top_k,
     stride_am, stride_sam,
@@ -217,9 +217,6 @@ def _mxfp4_grouped_gemm_swap_kernel(
     A_BF16: tl.constexpr = False,  # activations given as bf16, each 128-block as [64 even k | 64 odd k]
                                    # (K % 128 == 0): the MMA's second operand loads as is
     DIAG: tl.constexpr = 0,        # probes only (gpu_probe_swz.py --diag): 1 skip dequant, 2 skip MMA
-    FIXUP: tl.constexpr = False,   # SPLIT: the tile's last program sums ws in block order (cnt_ptr
-                                   # counters, kernels/split_k.py) instead of _split_k_reduce_kernel
-    FIXUP_UNROLL: tl.constexpr = 4,
 ):
     """Swapped operands: out^T[n, rows] = W[n, k] . A^T[k, rows]. The dequantised weight
     tile is the MMA's first operand (kept in registers on Hopper: no shared-memory round
@@ -316,36 +313,20 @@ def _mxfp4_grouped_gemm_swap_kernel(
                      mask=n_ok[:, None] & row_ok[None, :] & (kb < (K + 127) // 128))
         else:
             acc += part * s_a[None, :]
-    if OUT_SCATTER:
-        orow = tl.where(row_ok, route, 0).to(tl.int64)
-    else:
-        orow = rows.to(tl.int64)
-    o_ptrs = out_ptr + orow[None, :] * stride_om + n[:, None]
-    o_mask = n_ok[:, None] & row_ok[None, :]
     if not SPLIT:
+        if OUT_SCATTER:
+            orow = tl.where(row_ok, route, 0).to(tl.int64)
+        else:
+            orow = rows.to(tl.int64)
         if SOFTWARE_BF16:
             acc = round_to_bf16(acc, True)
-        tl.store(o_ptrs, acc.to(tl.bfloat16), mask=o_mask)
-    elif FIXUP:
-        cnt = cnt_ptr + pid_m * tl.num_programs(1) + pid_n
-        if split_k_arrive(cnt, tl.num_programs(2)):
-            # the same sum as _split_k_reduce_kernel: every block of the tile, in order, from +0.0
-            # NOTE: FIXUP_UNROLL blocks per step: all blocks at once would lift the kernel to
-            # 178 registers (local sm_90 compile), one program per SM fewer for the main loop
-            tot = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for kc in range(0, (K + 127) // 128, FIXUP_UNROLL):
-                for u in tl.static_range(FIXUP_UNROLL):
-                    tot += tl.load(ws_ptrs + (kc + u) * R * N, mask=o_mask & (kc + u < (K + 127) // 128),
-                                   other=0.0, cache_modifier=".cg")
-            if SOFTWARE_BF16:
-                tot = round_to_bf16(tot, True)
-            tl.store(o_ptrs, tot.to(tl.bfloat16), mask=o_mask)
-            split_k_reset(cnt)
+        tl.store(out_ptr + orow[None, :] * stride_om + n[:, None], acc.to(tl.bfloat16),
+                 mask=n_ok[:, None] & row_ok[None, :])
 
 
 @triton.jit
 def _mxfp4_gemv_kernel(
-    a_ptr, sa_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr,
+    a_ptr, sa_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr,
     sorted_ids_ptr, block_expert_ptr, num_blocks_ptr,
     N, R, top_k,
     stride_am, stride_sam,
@@ -358,7 +339,6 @@ def _mxfp4_gemv_kernel(
     SELECT_SUBNORMAL: tl.constexpr = False,
     ASM: tl.constexpr = False,
     UNROLL: tl.constexpr = 1,   # 128-blocks per loop iteration (their loads issue together)
-    FIXUP: tl.constexpr = False,  # as in _mxfp4_grouped_gemm_swap_kernel
 ):
     """One routed row per program (alignment with BLOCK_M = 1): a batched GEMV on the CUDA
     cores, no MMA padding. Per 128-wide block: exact fp32 products summed in any order
@@ -405,24 +385,14 @@ def _mxfp4_gemv_kernel(
                 tl.store(ws_ptr + kb * R * N + route * N + n, part * s_a, mask=n_ok & (kb < kb_end))
             else:
                 acc += part * s_a
-    if OUT_SCATTER:
-        orow = route.to(tl.int64)
-    else:
-        orow = pid_m.to(tl.int64)
     if not SPLIT:
+        if OUT_SCATTER:
+            orow = route.to(tl.int64)
+        else:
+            orow = pid_m.to(tl.int64)
         if SOFTWARE_BF16:
             acc = round_to_bf16(acc, True)
         tl.store(out_ptr + orow * stride_om + n, acc.to(tl.bfloat16), mask=n_ok)
-    elif FIXUP:
-        cnt = cnt_ptr + pid_m * tl.num_programs(1) + pid_n
-        if split_k_arrive(cnt, tl.num_programs(2)):
-            tot = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for kb2 in tl.static_range((K + 127) // 128):
-                tot += tl.load(ws_ptr + kb2 * R * N + route * N + n, mask=n_ok, other=0.0, cache_modifier=".cg")
-            if SOFTWARE_BF16:
-                tot = round_to_bf16(tot, True)
-            tl.store(out_ptr + orow * stride_om + n, tot.to(tl.bfloat16), mask=n_ok)
-            split_k_reset(cnt)
 
 
 @triton.jit

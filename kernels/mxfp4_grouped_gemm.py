@@ -75,10 +75,6 @@ class GemmConfig:
     # swap body sits at 147 (3 programs per SM); 128 fits 4 with an 8-byte spill (local
     # sm_90 compile); probed in session 6 by scripts/gpu_probe_swz.py.
     maxnreg: int | None = None
-    # split_k > 1: the tile's last program sums the workspace (kernels/split_k.py: arrival
-    # counters, no second launch) instead of _split_k_reduce_kernel; the same block-order
-    # sum either way, so bitwise equal (session 6)
-    split_fixup: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in ("tile", "swap", "gemv"):
@@ -289,17 +285,11 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
     r = align.num_routes
     ws = torch.empty((kb, r, n) if split else (1,), dtype=torch.float32, device=q.device)
     grid = (align.max_blocks, triton.cdiv(n, cfg.block_n), splits)
-    fixup = split and cfg.split_fixup
-    if fixup:
-        from .split_k import tile_counters  # noqa: PLC0415
-        cnt = tile_counters(q.device, grid[0] * grid[1])
-    else:
-        cnt = ws  # never dereferenced
-    args = (q, sa, w4, sw, out, ws, cnt, align.sorted_route_ids, align.block_expert, align.num_valid_blocks,
+    args = (q, sa, w4, sw, out, ws, align.sorted_route_ids, align.block_expert, align.num_valid_blocks,
             n, r, align.top_k, q.stride(0), sa.stride(0), w4.stride(0), w4.stride(1), sw.stride(0), sw.stride(1),
             out.stride(0))
     common = dict(A_GATHER=gather_a, OUT_SCATTER=scatter_out, K=k, BLOCK_N=cfg.block_n,
-                  NUM_STAGES=cfg.num_stages, KB_PER=kb_per, SPLIT=split, FIXUP=fixup, SOFTWARE_BF16=interpreting(),
+                  NUM_STAGES=cfg.num_stages, KB_PER=kb_per, SPLIT=split, SOFTWARE_BF16=interpreting(),
                   ASM=cfg.asm and not interpreting(),
                   num_warps=cfg.num_warps, **_launch_opts(cfg))
     if cfg.kind == "swap":
@@ -307,7 +297,7 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
                                               DIAG=cfg.diag, **common)
     else:
         _mxfp4_gemv_kernel[grid](*args, UNROLL=cfg.unroll, **common)
-    if split and not fixup:
+    if split:
         # one route x 128 columns per program (16-byte loads, 1 warp): at decode (6 routes)
         # the 4 x 256 tiles gave 6-18 programs for the whole reduction
         br, bn = 1, 128

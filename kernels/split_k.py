@@ -8,6 +8,11 @@ semaphore pattern); the program that arrives last sums the tile's partials in bl
 writes the bf16 result and sets the counter back to 0, so the buffer is ready for the
 next launch and for CUDA-graph replay without a memset.
 
+Used by the shared expert's split-K FP8 GEMV (M = 1), where it measured 0.4-1.9 us faster
+per GEMM on the H200 (session 6). The routed MXFP4 swap body and the FP8 tile body
+measured slower with it (the last program's serial reduction and its registers) and keep
+their second launch; BENCHMARKS.md has the figures.
+
 `tile_counters(device, n)` hands out one zeroed int32 buffer per (device, stream), grown on
 demand: kernels on one stream run one after the other, so they can share it. Two kernels
 that share a stream's buffer must not run concurrently, which holds for work issued to

@@ -126,7 +126,8 @@ def test_split_k_bitwise_equals_single_pass(m, n, k, split_k):
     one = fp8_block_gemm_nt(*args, config=cfg, split_k=1).cpu()
     many = fp8_block_gemm_nt(*args, config=cfg, split_k=split_k).cpu()
     assert torch.equal(one.view(torch.int16), many.view(torch.int16))
-    # the in-kernel last-program sum (default) == the two-launch phase 2, counters left at 0
+    # the GEMV's in-kernel last-program sum (default at M = 1) == the two-launch phase 2,
+    # counters left at 0 (the tile body always takes the second launch)
     two = fp8_block_gemm_nt(*args, config={**cfg, "SPLIT_FIXUP": False}, split_k=split_k).cpu()
     assert torch.equal(two.view(torch.int16), many.view(torch.int16))
     from dsv4_moe.kernels.split_k import tile_counters

@@ -222,16 +222,6 @@ def test_other_bodies_vs_reference(kind, bm, split, unroll):
         one = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False,
                                  config=GemmConfig(bm, 64, 4, 2, kind=kind, split_k=1, unroll=unroll))
         assert torch.equal(out[rows].view(torch.int16), one[rows].view(torch.int16))
-        # the in-kernel fixup (default) vs the two-launch reduction: the same bits, gathered
-        # and scattered, and every arrival counter back at 0 afterwards
-        from dsv4_moe.kernels.split_k import tile_counters
-        two = dataclasses.replace(cfg, split_fixup=False)
-        assert cfg.split_fixup
-        out2 = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=two)
-        assert torch.equal(out[rows].view(torch.int16), out2[rows].view(torch.int16))
-        y2 = mxfp4_grouped_gemm(hq, hs, w, s, a, gather_a=False, scatter_out=True, out=sentinel.clone(), config=two)
-        assert torch.equal(y.view(torch.int16), y2.view(torch.int16))
-        assert int(tile_counters(q.device, 0).abs().sum()) == 0
 
 
 # ---------------------------------------------------------------- "mma64" weight layout
