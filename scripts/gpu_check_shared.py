@@ -195,17 +195,22 @@ def part_swiglu_correctness():
             w = torch.rand(m, device=DEV) + 0.25
             for use_w in (False, True):
                 rw = w if use_w else None
+                # NOTE (session 6): judged against the reference run on the GPU; the CPU
+                # reference's exp differs from CUDA's in the last bit for a few inputs, which
+                # moves 1-7 FP8 codes in 8-25 M with a route weight (counted, not failed)
                 rq, rs = ref.swiglu_quant(x.cpu(), 10.0, rw.cpu() if use_w else None)
+                gq, gs = ref.swiglu_quant(x, 10.0, rw)
                 uq, us = swiglu_quant_unfused(x, route_weight=rw)
                 row = dict(part="swiglu", I=i, M=m, route_weight=use_w,
-                           unfused_vs_ref_q=n_diff(uq.cpu(), rq), unfused_vs_ref_s=n_diff(us.cpu(), rs))
-                ok = row["unfused_vs_ref_q"] == 0 and row["unfused_vs_ref_s"] == 0
+                           unfused_vs_gpu_ref=bytes_equal(uq, gq) and bytes_equal(us, gs),
+                           unfused_vs_cpu_ref_q=n_diff(uq.cpu(), rq), unfused_vs_cpu_ref_s=n_diff(us.cpu(), rs))
+                ok = row["unfused_vs_gpu_ref"] and row["unfused_vs_cpu_ref_s"] == 0 \
+                    and (use_w or row["unfused_vs_cpu_ref_q"] == 0)
                 for strat in (None, "group", "persistent"):
                     fq, fs = swiglu_quant(x, route_weight=rw, strategy=strat)
                     key = strat or "auto"
                     row[f"{key}_vs_unfused"] = bytes_equal(fq, uq) and bytes_equal(fs, us)
-                    row[f"{key}_vs_ref_q"] = n_diff(fq.cpu(), rq)
-                    ok = ok and row[f"{key}_vs_unfused"] and row[f"{key}_vs_ref_q"] == 0
+                    ok = ok and row[f"{key}_vs_unfused"]
                 row["ok"] = ok
                 add(row)
     # scale formats and filtering at a few sizes
@@ -230,7 +235,7 @@ def part_swiglu_correctness():
             emap = torch.tensor([0, -1, 1, 2, -1, 3, 4, -1], device=DEV, dtype=torch.int32)
             w = torch.rand(m, device=DEV)
             keep = (ids >= 0) & (emap[ids.clamp_min(0).long()] >= 0)
-            rq, rs = ref.swiglu_quant(x.cpu(), 10.0, w.cpu())
+            rq, rs = ref.swiglu_quant(x, 10.0, w)  # the reference on the GPU (see the NOTE above)
             outs = {}
             for name in ("group", "persistent", "unfused"):
                 oq = torch.full((m, i), 0x5A, dtype=torch.uint8, device=DEV).view(torch.float8_e4m3fn)
@@ -245,7 +250,7 @@ def part_swiglu_correctness():
                                      bool((o[1][~keep] == -3.0).all()) for o in outs.values()),
                        fused_vs_unfused=all(bytes_equal(outs[s][0], uq) and bytes_equal(outs[s][1], us)
                                             for s in ("group", "persistent")),
-                       kept_vs_ref=bytes_equal(uq.cpu()[k], rq[k]) and bytes_equal(us.cpu()[k], rs[k]))
+                       kept_vs_ref=bytes_equal(uq.cpu()[k], rq.cpu()[k]) and bytes_equal(us.cpu()[k], rs.cpu()[k]))
             row["ok"] = row["untouched"] and row["fused_vs_unfused"] and row["kept_vs_ref"]
             add(row)
     # special values (session 6: the GPU quantiser relies on max.f32 ignoring NaN and on the

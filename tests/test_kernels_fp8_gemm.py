@@ -218,3 +218,17 @@ def test_gemv_body_vs_reference(m, n, k, split_k):
     sw2 = (sw.view(torch.uint8) + 1).view(torch.float8_e8m0fnu)
     bad = fp8_block_gemm_nt(q.to(DEV), sa.to(DEV), w.to(DEV), sw2.to(DEV), config=cfg).cpu()
     assert (bf16_ulp_diff(bad, got) > 0).float().mean().item() > 0.9
+
+
+def test_tile_counters_buffer():
+    """kernels/split_k.tile_counters: zeroed int32, grown on demand (never shrunk), one
+    buffer per (device, stream); a negative count is refused with the value named."""
+    from dsv4_moe.kernels.split_k import tile_counters
+    a = tile_counters(torch.device("cpu"), 10)
+    assert a.dtype == torch.int32 and a.numel() >= 10 and int(a.abs().sum()) == 0
+    assert tile_counters("cpu", 5) is a                    # the same buffer while it is big enough
+    b = tile_counters("cpu", a.numel() + 1)
+    assert b.numel() > a.numel() and int(b.abs().sum()) == 0
+    assert tile_counters("cpu", 1) is b
+    with pytest.raises(ValueError, match="n=-1"):
+        tile_counters("cpu", -1)
