@@ -75,6 +75,10 @@ class GemmConfig:
     # swap body sits at 147 (3 programs per SM); 128 fits 4 with an 8-byte spill (local
     # sm_90 compile); probed in session 6 by scripts/gpu_probe_swz.py.
     maxnreg: int | None = None
+    # EXPERIMENTAL, off everywhere (session 6: compiled for sm_90 and tested on the CPU, not
+    # yet timed or checked on the H200): "swap" on FP8 tensor cores with SPEC §4.3's per-32
+    # accumulation (_mxfp4_grouped_gemm_swap8_kernel); "nk" weights, no split, fp8 operands
+    fp8_mma: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("tile", "swap", "gemv"):
@@ -88,6 +92,9 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.block_n={self.block_n}: expected 16, 32, 64, 128 or 256")
         if self.a_bf16 and self.kind != "swap":
             raise ValueError(f"GemmConfig.a_bf16=True needs kind 'swap', got kind={self.kind!r}")
+        if self.fp8_mma and (self.kind != "swap" or self.split_k != 1 or self.a_bf16):
+            raise ValueError(f"GemmConfig.fp8_mma=True needs kind 'swap', split_k=1 and a_bf16=False, got "
+                             f"kind={self.kind!r}, split_k={self.split_k}, a_bf16={self.a_bf16}")
         if self.maxnreg is not None and (not isinstance(self.maxnreg, int) or not 24 <= self.maxnreg <= 255):
             raise ValueError(f"GemmConfig.maxnreg={self.maxnreg!r}: expected None or an int in [24, 255]")
         if not isinstance(self.split_k, int) or self.split_k < 1 or (self.split_k > 1 and self.kind == "tile"):
@@ -232,6 +239,17 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
     w4 = w4.contiguous()
     sw = sw.contiguous().view(torch.uint8)
     swz = layout == "mma64"
+    if cfg.fp8_mma:
+        if layout != "nk":
+            raise ValueError(f"config.fp8_mma=True reads the checkpoint's 'nk' byte order, got layout={layout!r}")
+        from ._mxfp4_grouped_gemm import _mxfp4_grouped_gemm_swap8_kernel  # noqa: PLC0415
+        _mxfp4_grouped_gemm_swap8_kernel[(align.max_blocks, triton.cdiv(n, cfg.block_n))](
+            q, sa, w4, sw, out, align.sorted_route_ids, align.block_expert, align.num_valid_blocks,
+            n, align.num_routes, align.top_k,
+            q.stride(0), sa.stride(0), w4.stride(0), w4.stride(1), sw.stride(0), sw.stride(1), out.stride(0),
+            A_GATHER=gather_a, OUT_SCATTER=scatter_out, K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            NUM_STAGES=cfg.num_stages, SOFTWARE_BF16=interpreting(), num_warps=cfg.num_warps, **_launch_opts(cfg))
+        return out
     if cfg.a_bf16:
         if k % 128:
             raise ValueError(f"config.a_bf16=True: K={k} must be a multiple of 128")

@@ -456,3 +456,42 @@ def test_swap_bf16_activations_bitwise(layout):
     with pytest.raises(ValueError, match="K=96 must be a multiple of 128"):
         mxfp4_grouped_gemm(qk, sak, wk, sk, a, gather_a=True, scatter_out=False,
                            config=GemmConfig(16, 128, kind="swap", a_bf16=True))
+
+
+def test_swap8_fp8_mma_body_interpreted():
+    """The experimental FP8-MMA swap body (GemmConfig.fp8_mma): SPEC §4.3's per-32 form with
+    exact products and, under the interpreter, exact k = 32 sums: bitwise the reference for
+    gate_up (gathered) and down (K = 384, scattered, a non-local route never written); far
+    from it with shifted scales; and its guards."""
+    g = torch.Generator().manual_seed(31)
+    e, t, k, h, n = 6, 5, 3, 384, 128
+    w, s = _weights(e, n, h, g)
+    q, sa = ref.act_quant(torch.randn(t, h, generator=g).bfloat16() * 3)
+    ids = _ids(t, k, e + 2, g)
+    ids[0, 0] = e + 1                    # another rank's expert
+    ids = ids.sort(1).values
+    a = moe_align(ids.int(), e, 0, 16)
+    cfg = GemmConfig(16, 64, 4, 2, kind="swap", fp8_mma=True)
+    out = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=cfg)
+    local = ids.flatten() < e
+    rows = a.route_rows.long()[local]
+    pairs = list(zip(torch.nonzero(local).flatten().tolist(), ids.flatten()[local].tolist()))
+    exp = torch.cat([ref.fp4_gemm(q[r // k:r // k + 1], sa[r // k:r // k + 1], w[ei], s[ei]) for r, ei in pairs])
+    assert torch.equal(out[rows].view(torch.int16), exp.view(torch.int16))
+    _assert_far(out[rows], torch.cat([ref.fp4_gemm(q[r // k:r // k + 1], sa[r // k:r // k + 1], w[ei],
+                                                   torch.roll(s[ei].view(torch.uint8), 1, 1).view(s.dtype))
+                                      for r, ei in pairs]), "shifted scales")
+    hq, hs = ref.act_quant(torch.randn(a.max_rows, h, generator=g).bfloat16())
+    sentinel = torch.full((t * k, n), 7.0, dtype=torch.bfloat16)
+    y = mxfp4_grouped_gemm(hq, hs, w, s, a, gather_a=False, scatter_out=True, out=sentinel.clone(), config=cfg)
+    exp = torch.cat([ref.fp4_gemm(hq[i:i + 1], hs[i:i + 1], w[ei], s[ei])
+                     for i, ei in zip(rows.tolist(), ids.flatten()[local].tolist())])
+    assert torch.equal(y[local].view(torch.int16), exp.view(torch.int16))
+    assert torch.equal(y[~local], sentinel[~local]), "non-local slots must not be written"
+    with pytest.raises(ValueError, match="fp8_mma=True needs kind 'swap'"):
+        GemmConfig(16, 64, kind="swap", fp8_mma=True, split_k=2)
+    with pytest.raises(ValueError, match="fp8_mma=True needs kind 'swap'"):
+        GemmConfig(16, 64, kind="tile", fp8_mma=True)
+    from dsv4_moe.weights.mma_layout import to_mma64
+    with pytest.raises(ValueError, match="'nk' byte order"):
+        mxfp4_grouped_gemm(q, sa, to_mma64(w), s, a, gather_a=True, scatter_out=False, config=cfg, layout="mma64")
