@@ -495,3 +495,23 @@ def test_swap8_fp8_mma_body_interpreted():
     from dsv4_moe.weights.mma_layout import to_mma64
     with pytest.raises(ValueError, match="'nk' byte order"):
         mxfp4_grouped_gemm(q, sa, to_mma64(w), s, a, gather_a=True, scatter_out=False, config=cfg, layout="mma64")
+
+
+def test_e2m1_to_e4m3_ptx_emulated_bitwise():
+    """The FP8 body's packed conversion PTX (GPU only), run by the PTX interpreter above for
+    every byte value in every lane: $0 = the low nibbles' e4m3 codes, $1 the high ones',
+    each the exact e4m3 of e2m1 * 2^-6 (the interpreter path's formula, checked against
+    the decoded values)."""
+    from dsv4_moe.kernels import _mxfp4_grouped_gemm as body
+    from dsv4_moe.weights.formats import e2m1_codes_to_float
+
+    src = body._E2M1X4_TO_E4M3_ASM.value
+    for b0 in range(256):
+        pack = [b0, (b0 * 37 + 11) & 255, (b0 * 91 + 3) & 255, 255 - b0]
+        out = _run_ptx(src, {"$2": pack[0] | pack[1] << 8 | pack[2] << 16 | pack[3] << 24})
+        for i, byte in enumerate(pack):
+            for nib, reg in ((byte & 0xF, "$0"), (byte >> 4, "$1")):
+                code = (out[reg] >> (8 * i)) & 0xFF
+                got = torch.tensor([code], dtype=torch.uint8).view(torch.float8_e4m3fn).float().item()
+                want = e2m1_codes_to_float(torch.tensor([nib], dtype=torch.uint8)).item() * 2.0 ** -6
+                assert got == want and (code >> 7) == (nib >> 3), (hex(byte), nib, hex(code), got, want)
