@@ -390,11 +390,11 @@ def _mxfp4_grouped_gemm_swap8_kernel(
     kb16 = tl.arange(0, 16)
     k32 = tl.arange(0, 32)
     # MMA k slot j of a group holds k = 2j (j < 16, the low nibbles) or 2(j - 16) + 1 (the
-    # high nibbles): the weights' order after the packed conversion; the activations are
-    # gathered in the same order (any order of the 32 products is the same exact set)
-    kperm = tl.where(k32 < 16, 2 * k32, 2 * (k32 - 16) + 1)
+    # high nibbles): the weights' order after the packed conversion. The wrapper hands the
+    # activations over in that order (fp8_pairs32: each 32-group as 16 even k | 16 odd k;
+    # any order of the 32 products is the same exact set), so they load contiguously.
     w_ptrs = w_ptr + e * stride_we + n_safe[:, None] * stride_wn + kb16[None, :]
-    a_ptrs = a_ptr + arow[:, None] * stride_am + kperm[None, :]
+    a_ptrs = a_ptr + arow[:, None] * stride_am + k32[None, :]
     sw_ptrs = sw_ptr + e * stride_swe + n_safe * stride_swn
     sa_ptrs = sa_ptr + arow * stride_sam
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)

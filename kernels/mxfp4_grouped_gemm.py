@@ -243,12 +243,14 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
         if layout != "nk":
             raise ValueError(f"config.fp8_mma=True reads the checkpoint's 'nk' byte order, got layout={layout!r}")
         from ._mxfp4_grouped_gemm import _mxfp4_grouped_gemm_swap8_kernel  # noqa: PLC0415
+        q = fp8_pairs32(q)
         _mxfp4_grouped_gemm_swap8_kernel[(align.max_blocks, triton.cdiv(n, cfg.block_n))](
             q, sa, w4, sw, out, align.sorted_route_ids, align.block_expert, align.num_valid_blocks,
             n, align.num_routes, align.top_k,
             q.stride(0), sa.stride(0), w4.stride(0), w4.stride(1), sw.stride(0), sw.stride(1), out.stride(0),
             A_GATHER=gather_a, OUT_SCATTER=scatter_out, K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            NUM_STAGES=cfg.num_stages, SOFTWARE_BF16=interpreting(), num_warps=cfg.num_warps, **_launch_opts(cfg))
+            NUM_STAGES=cfg.num_stages, SOFTWARE_BF16=interpreting(), num_warps=cfg.num_warps,
+            **_launch_opts(cfg))
         return out
     if cfg.a_bf16:
         if k % 128:
@@ -276,6 +278,15 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
 def _launch_opts(cfg: GemmConfig) -> dict:
     """Extra Triton launch options of a config (the interpreter ignores them)."""
     return {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
+
+
+def fp8_pairs32(q: torch.Tensor) -> torch.Tensor:
+    """[M, K] e4m3 -> the same codes with each 32-group as its 16 even k then its 16 odd k:
+    the FP8-MMA body's activation order (GemmConfig.fp8_mma). One strided copy."""
+    m, k = q.shape
+    out = torch.empty((m, k), dtype=q.dtype, device=q.device)
+    out.view(torch.uint8).view(m, k // 32, 2, 16).copy_(q.view(torch.uint8).view(m, k // 32, 16, 2).transpose(2, 3))
+    return out
 
 
 def bf16_pairs(q: torch.Tensor) -> torch.Tensor:
