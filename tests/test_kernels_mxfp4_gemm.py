@@ -515,3 +515,15 @@ def test_e2m1_to_e4m3_ptx_emulated_bitwise():
                 got = torch.tensor([code], dtype=torch.uint8).view(torch.float8_e4m3fn).float().item()
                 want = e2m1_codes_to_float(torch.tensor([nib], dtype=torch.uint8)).item() * 2.0 ** -6
                 assert got == want and (code >> 7) == (nib >> 3), (hex(byte), nib, hex(code), got, want)
+
+
+def test_fp8_pairs32_layout():
+    """fp8_pairs32: each 32-group of a row as its 16 even-k codes then its 16 odd-k codes,
+    bytes unchanged (the experimental FP8-MMA body's activation order)."""
+    from dsv4_moe.kernels.mxfp4_grouped_gemm import fp8_pairs32
+    q = torch.arange(3 * 96, dtype=torch.uint8).view(3, 96).view(torch.float8_e4m3fn)
+    p = fp8_pairs32(q).view(torch.uint8)
+    src = q.view(torch.uint8)
+    for g in range(3):
+        assert torch.equal(p[:, 32 * g:32 * g + 16], src[:, 32 * g:32 * g + 32:2])
+        assert torch.equal(p[:, 32 * g + 16:32 * g + 32], src[:, 32 * g + 1:32 * g + 32:2])
