@@ -21,7 +21,9 @@ rows MMA, the dequantised weight as the register operand) and "gemv" (one route 
 program on the CUDA cores, for decode where most experts get one row). With "mma64"
 weights the tile and swap bodies load each thread's operand bytes as 16-byte vectors
 (no shared-memory byte gathers; swap SASS loop 751 -> ~510 instructions) and the swap
-body serves decode too (the GEMV reads only "nk"). All follow
+body serves decode too (the GEMV reads only "nk"). An experimental fourth body on FP8
+tensor cores (GemmConfig.fp8_mma, kernels/_mxfp4_swap8.py) is off everywhere until it is
+timed on the H200. All follow
 SPEC §4.3 except that the four 32-wide partials of a 128-wide activation block are
 summed before the block's `acc += part * sa` (a documented deviation, docs/DESIGN.md). `select_config(num_routes,
 num_local, n, k)` picks by the expected rows per expert (measured on the H200, see
@@ -242,7 +244,7 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
     if cfg.fp8_mma:
         if layout != "nk":
             raise ValueError(f"config.fp8_mma=True reads the checkpoint's 'nk' byte order, got layout={layout!r}")
-        from ._mxfp4_grouped_gemm import _mxfp4_grouped_gemm_swap8_kernel  # noqa: PLC0415
+        from ._mxfp4_swap8 import _mxfp4_grouped_gemm_swap8_kernel  # noqa: PLC0415
         q = fp8_pairs32(q)
         _mxfp4_grouped_gemm_swap8_kernel[(align.max_blocks, triton.cdiv(n, cfg.block_n))](
             q, sa, w4, sw, out, align.sorted_route_ids, align.block_expert, align.num_valid_blocks,

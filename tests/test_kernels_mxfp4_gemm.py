@@ -502,7 +502,7 @@ def test_e2m1_to_e4m3_ptx_emulated_bitwise():
     every byte value in every lane: $0 = the low nibbles' e4m3 codes, $1 the high ones',
     each the exact e4m3 of e2m1 * 2^-6 (the interpreter path's formula, checked against
     the decoded values)."""
-    from dsv4_moe.kernels import _mxfp4_grouped_gemm as body
+    from dsv4_moe.kernels import _mxfp4_swap8 as body
     from dsv4_moe.weights.formats import e2m1_codes_to_float
 
     src = body._E2M1X4_TO_E4M3_ASM.value
