@@ -21,9 +21,7 @@ rows MMA, the dequantised weight as the register operand) and "gemv" (one route 
 program on the CUDA cores, for decode where most experts get one row). With "mma64"
 weights the tile and swap bodies load each thread's operand bytes as 16-byte vectors
 (no shared-memory byte gathers; swap SASS loop 751 -> ~510 instructions) and the swap
-body serves decode too (the GEMV reads only "nk"). An experimental fourth body on FP8
-tensor cores (GemmConfig.fp8_mma, kernels/_mxfp4_swap8.py) is off everywhere until it is
-timed on the H200. All follow
+body serves decode too (the GEMV reads only "nk"). All follow
 SPEC §4.3 except that the four 32-wide partials of a 128-wide activation block are
 summed before the block's `acc += part * sa` (a documented deviation, docs/DESIGN.md). `select_config(num_routes,
 num_local, n, k)` picks by the expected rows per expert (measured on the H200, see
@@ -77,10 +75,6 @@ class GemmConfig:
     # swap body sits at 147 (3 programs per SM); 128 fits 4 with an 8-byte spill (local
     # sm_90 compile); probed in session 6 by scripts/gpu_probe_swz.py.
     maxnreg: int | None = None
-    # EXPERIMENTAL, off everywhere (session 6: compiled for sm_90 and tested on the CPU, not
-    # yet timed or checked on the H200): "swap" on FP8 tensor cores with SPEC §4.3's per-32
-    # accumulation (_mxfp4_grouped_gemm_swap8_kernel); "nk" weights, no split, fp8 operands
-    fp8_mma: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("tile", "swap", "gemv"):
@@ -94,9 +88,6 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.block_n={self.block_n}: expected 16, 32, 64, 128 or 256")
         if self.a_bf16 and self.kind != "swap":
             raise ValueError(f"GemmConfig.a_bf16=True needs kind 'swap', got kind={self.kind!r}")
-        if self.fp8_mma and (self.kind != "swap" or self.split_k != 1 or self.a_bf16):
-            raise ValueError(f"GemmConfig.fp8_mma=True needs kind 'swap', split_k=1 and a_bf16=False, got "
-                             f"kind={self.kind!r}, split_k={self.split_k}, a_bf16={self.a_bf16}")
         if self.maxnreg is not None and (not isinstance(self.maxnreg, int) or not 24 <= self.maxnreg <= 255):
             raise ValueError(f"GemmConfig.maxnreg={self.maxnreg!r}: expected None or an int in [24, 255]")
         if not isinstance(self.split_k, int) or self.split_k < 1 or (self.split_k > 1 and self.kind == "tile"):
@@ -241,19 +232,6 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
     w4 = w4.contiguous()
     sw = sw.contiguous().view(torch.uint8)
     swz = layout == "mma64"
-    if cfg.fp8_mma:
-        if layout != "nk":
-            raise ValueError(f"config.fp8_mma=True reads the checkpoint's 'nk' byte order, got layout={layout!r}")
-        from ._mxfp4_swap8 import _mxfp4_grouped_gemm_swap8_kernel  # noqa: PLC0415
-        q = fp8_pairs32(q)
-        _mxfp4_grouped_gemm_swap8_kernel[(align.max_blocks, triton.cdiv(n, cfg.block_n))](
-            q, sa, w4, sw, out, align.sorted_route_ids, align.block_expert, align.num_valid_blocks,
-            n, align.num_routes, align.top_k,
-            q.stride(0), sa.stride(0), w4.stride(0), w4.stride(1), sw.stride(0), sw.stride(1), out.stride(0),
-            A_GATHER=gather_a, OUT_SCATTER=scatter_out, K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            NUM_STAGES=cfg.num_stages, SOFTWARE_BF16=interpreting(), num_warps=cfg.num_warps,
-            **_launch_opts(cfg))
-        return out
     if cfg.a_bf16:
         if k % 128:
             raise ValueError(f"config.a_bf16=True: K={k} must be a multiple of 128")
@@ -280,15 +258,6 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
 def _launch_opts(cfg: GemmConfig) -> dict:
     """Extra Triton launch options of a config (the interpreter ignores them)."""
     return {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
-
-
-def fp8_pairs32(q: torch.Tensor) -> torch.Tensor:
-    """[M, K] e4m3 -> the same codes with each 32-group as its 16 even k then its 16 odd k:
-    the FP8-MMA body's activation order (GemmConfig.fp8_mma). One strided copy."""
-    m, k = q.shape
-    out = torch.empty((m, k), dtype=q.dtype, device=q.device)
-    out.view(torch.uint8).view(m, k // 32, 2, 16).copy_(q.view(torch.uint8).view(m, k // 32, 16, 2).transpose(2, 3))
-    return out
 
 
 def bf16_pairs(q: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,7 @@ def ulp_stats(a, b):
 def label(cfg, layout):
     return (f"{layout:5s} {cfg.kind}{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
             f" sk{cfg.split_k} asm{int(cfg.asm)}{' bf16A' if cfg.a_bf16 else ''}{f' DIAG{cfg.diag}' if cfg.diag else ''}"
-            f"{f' r{cfg.maxnreg}' if cfg.maxnreg else ''}{' FP8MMA' if cfg.fp8_mma else ''}")
+            f"{f' r{cfg.maxnreg}' if cfg.maxnreg else ''}")
 
 
 def main():
@@ -71,9 +71,6 @@ def main():
                     help="the shared FP8 GEMMs at M = 1 and 4: split-K summed in the tile's last program "
                          "vs the separate phase-2 launch (the routed MXFP4 variant measured slower in "
                          "session 6 and was removed)")
-    ap.add_argument("--fp8", action="store_true",
-                    help="the experimental FP8-MMA swap body (GemmConfig.fp8_mma) against both defaults; "
-                         "'differ' against the nk default is its accuracy cost (FP8 accumulation)")
     ap.add_argument("--regs", action="store_true",
                     help="only the mma64 default and register / stage variants of it")
     ap.add_argument("--diag", action="store_true",
@@ -162,11 +159,6 @@ def main():
                 cands = [(base, "mma64")] + [(GemmConfig(**{**c, **kw}), "mma64") for kw in (
                     dict(maxnreg=128), dict(num_stages=2), dict(num_stages=3, maxnreg=128), dict(num_warps=8),
                     dict(num_stages=2, maxnreg=120))]
-            if args.fp8:  # session 6: the experimental FP8-MMA swap body (nk weights) vs the defaults
-                cands = [(base_cfg, "nk"), (new_cfg, "mma64")] + [
-                    (GemmConfig(bm8, bn8, w8, st8, kind="swap", fp8_mma=True), "nk")
-                    for bm8, bn8, w8, st8 in ((16, 128, 4, 2), (16, 128, 4, 3), (16, 256, 8, 2), (32, 128, 4, 2))
-                    if rows_per >= 8 or bm8 == 16]
             if args.fixup:  # session 6: only the FP8 GEMMs below (the routed fixup measured slower)
                 continue
             if args.diag:
