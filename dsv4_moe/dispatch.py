@@ -26,7 +26,7 @@ import torch
 
 __all__ = [
     "DispatchContext", "Path", "STAGES", "select", "plan", "explain", "force_paths",
-    "has_cuda", "has_fp8_mma", "has_triton", "is_gfx950",
+    "has_cuda", "has_fp8_mma", "has_pdl", "has_triton", "is_gfx950", "PDL_ENABLED",
 ]
 
 
@@ -61,6 +61,37 @@ def has_fp8_mma(device: torch.device) -> tuple[bool, str]:
     if cap < (8, 9):
         return False, f"compute capability {cap[0]}.{cap[1]} has no FP8 tensor cores (needs >= 8.9)"
     return True, f"FP8 MMA on sm_{cap[0]}{cap[1]}"
+
+
+# Programmatic dependent launch (PDL, sm_90+): every Triton kernel of the CUDA path is
+# launched with the programmatic-serialisation attribute, waits (griddepcontrol.wait) as
+# its first instruction for the previous kernel on the stream to finish and flush, then
+# lets its own successor launch (griddepcontrol.launch_dependents): the next kernel's
+# launch and scheduling overlap this one's tail instead of following it. Same bits by
+# construction (every kernel still waits before any load or store). `DSV4_MOE_PDL=0`
+# turns it off; so does setting PDL_ENABLED = False before the first launch.
+PDL_ENABLED = os.environ.get("DSV4_MOE_PDL", "1") not in ("", "0")
+
+
+def has_pdl(device: torch.device) -> tuple[bool, str]:
+    if not PDL_ENABLED:
+        return False, "programmatic dependent launch off (DSV4_MOE_PDL=0 / dispatch.PDL_ENABLED)"
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False, "Triton interpreter (no griddepcontrol)"
+    ok, why = has_cuda(device)
+    if not ok:
+        return ok, why
+    cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    if cap < (9, 0):
+        return False, f"compute capability {cap[0]}.{cap[1]} has no programmatic dependent launch (needs >= 9.0)"
+    ok, why = has_triton()
+    if not ok:
+        return ok, why
+    try:
+        from triton.language.extra.cuda import gdc_wait  # noqa: F401, PLC0415
+    except ImportError:
+        return False, "this Triton has no griddepcontrol (triton.language.extra.cuda.gdc_wait)"
+    return True, f"programmatic dependent launch on sm_{cap[0]}{cap[1]}"
 
 
 def is_gfx950(device: torch.device) -> tuple[bool, str]:
@@ -305,6 +336,8 @@ def explain(ctx: DispatchContext, stages: Optional[list[str]] = None) -> str:
     lines = [f"plan for T={ctx.num_tokens} on {ctx.device} (hidden {ctx.hidden}, intermediate {ctx.intermediate}, "
              f"experts {ctx.num_local_experts}/{ctx.num_experts} local, top-{ctx.top_k}, tp {ctx.tp_size}, "
              f"ep {ctx.ep_size}{', hash layer' if ctx.is_hash else ''}):"]
+    pdl, why = has_pdl(ctx.device)
+    lines.append(f"  {'launches':<15} -> {'pdl' if pdl else 'plain':<10} ({why})")
     for p in plan(ctx, stages):
         lines.append(f"  {p.stage:<15} -> {p.chosen.name:<10} "
                      f"{'(forced)' if p.forced else '(' + p.reason + ')'}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton_utils import interpreting, quant_group_tile
+from ._triton_utils import interpreting, pdl_enter, pdl_options, quant_group_tile
 
 
 @triton.jit
@@ -19,7 +19,9 @@ def _act_quant_kernel(
     M, M_S, K,
     stride_xm, stride_qm, stride_sm, stride_sg,
     SCALE_FMT: tl.constexpr, BLOCK_M: tl.constexpr, SOFTWARE: tl.constexpr,
+    PDL: tl.constexpr = False,  # pdl_enter: programmatic dependent launch
 ):
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     g = tl.program_id(1)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -44,4 +46,5 @@ def launch_act_quant(x, q_u8, s, m_s: int, scale_fmt_code: int) -> None:
         x, q_u8, s, m, m_s, k,
         x.stride(0), q_u8.stride(0), s.stride(0), s.stride(1),
         SCALE_FMT=scale_fmt_code, BLOCK_M=block_m, SOFTWARE=interpreting(), num_warps=1 if block_m == 1 else 2,
+        **pdl_options(x.device),
     )

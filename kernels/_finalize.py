@@ -20,7 +20,7 @@ into FMAs).
 import triton
 import triton.language as tl
 
-from ._triton_utils import round_to_bf16
+from ._triton_utils import pdl_enter, round_to_bf16
 
 
 @triton.jit
@@ -39,7 +39,9 @@ def _routed_sum(y_ptr, ids_ptr, t, cols, col_ok, first_expert, num_local,
 def _finalize_kernel(y_ptr, ids_ptr, shared_ptr, out_ptr, H, first_expert, num_local,
                      stride_yt, stride_ys, stride_it, stride_st, stride_ot,
                      TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
-                     HAS_SHARED: tl.constexpr, PARTIAL: tl.constexpr, SOFTWARE_BF16: tl.constexpr):
+                     HAS_SHARED: tl.constexpr, PARTIAL: tl.constexpr, SOFTWARE_BF16: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
@@ -58,7 +60,8 @@ def _finalize_kernel(y_ptr, ids_ptr, shared_ptr, out_ptr, H, first_expert, num_l
 @triton.jit
 def _add_shared_round_kernel(acc_ptr, shared_ptr, out_ptr, H, stride_at, stride_st, stride_ot,
                              BLOCK_H: tl.constexpr, HAS_SHARED: tl.constexpr,
-                             SOFTWARE_BF16: tl.constexpr):
+                             SOFTWARE_BF16: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H

@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import round_to_bf16, split_k_arrive, split_k_reset
+from ._triton_utils import pdl_enter, pdl_options, round_to_bf16, split_k_arrive, split_k_reset
 
 
 @triton.jit
@@ -98,7 +98,9 @@ def _fp8_block_gemm_kernel(
     stride_am, stride_bn, stride_sam, stride_sak, stride_sbn, stride_sbk, stride_cm,
     SB_E8M0: tl.constexpr, EVEN_K: tl.constexpr, IMPRECISE: tl.constexpr, SOFTWARE: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    PDL: tl.constexpr = False,  # pdl_enter: programmatic dependent launch
 ):
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -153,11 +155,13 @@ def _fp8_gemv_kernel(
     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
     FIXUP: tl.constexpr = False,   # SPLIT: the tile's last program sums ws (kernels/split_k.py)
     NUM_KB: tl.constexpr = 0,      # FIXUP: K blocks to sum (unrolled, as in _splitk_sum_kernel)
+    PDL: tl.constexpr = False,  # pdl_enter: programmatic dependent launch
 ):
     """Decode body (GEMV config): one activation row x BLOCK_N weight rows per program on
     the CUDA cores. Per K block the 128 exact fp32 products are summed in any order (the
     in-block freedom of SPEC §4.3), then scaled and accumulated in block order exactly
     like the MMA body (same ws layout, same phase 2)."""
+    pdl_enter(PDL)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(0)
     m = pid // num_pid_n
@@ -210,12 +214,14 @@ def _fp8_gemv_kernel(
 
 @triton.jit
 def _splitk_sum_kernel(ws_ptr, c_ptr, MN, N, stride_cm,
-                       NUM_KB: tl.constexpr, SOFTWARE: tl.constexpr, BLOCK: tl.constexpr):
+                       NUM_KB: tl.constexpr, SOFTWARE: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """Phase 2: out[m, n] = bf16(((0 + ws[0,m,n]) + ws[1,m,n]) + ... ), kb ascending.
 
     The K-block loop is unrolled (NUM_KB constexpr, <= 56 for the V4 shapes) so all of a
     thread's loads are independent and in flight together; the adds stay in order.
     """
+    pdl_enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -264,20 +270,21 @@ def launch_fp8_block_gemm(q_u8, sa, w_u8, sw, out, cfg: dict, interpreting: bool
     else:
         cnt = ws  # never dereferenced
     fix = dict(FIXUP=fixup, NUM_KB=num_kb if fixup else 0)
+    pdl = {} if interpreting else pdl_options(out.device)
     if cfg.get("GEMV", False):
         _fp8_gemv_kernel[(programs, split_k)](
             a, sa, b, sw, out, ws, cnt, m, n, k, num_kb, kb_per,
             a.stride(0), b.stride(0), sa.stride(0), sa.stride(1), sw.stride(0), sw.stride(1), out.stride(0),
             SB_E8M0=sb_e8m0, EVEN_K=(k % 128 == 0), SOFTWARE=interpreting, SPLIT=split_k > 1, BLOCK_N=bn,
-            **fix, **extra)
+            **fix, **extra, **pdl)
     else:
         _fp8_block_gemm_kernel[(tiles, split_k)](
             a, sa, b, sw, out, ws, m, n, k, num_kb, kb_per,
             a.stride(0), b.stride(0), sa.stride(0), sa.stride(1), sw.stride(0), sw.stride(1), out.stride(0),
             SB_E8M0=sb_e8m0, EVEN_K=(k % 128 == 0), IMPRECISE=cfg.get("IMPRECISE", 32), SOFTWARE=interpreting,
-            SPLIT=split_k > 1, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), **extra,
+            SPLIT=split_k > 1, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), **extra, **pdl,
         )
     if split_k > 1 and not fixup:
         extra2 = {} if interpreting else dict(num_warps=SUM_BLOCK // 128, num_stages=1, enable_fp_fusion=False)
         _splitk_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
-            ws, out, m * n, n, out.stride(0), NUM_KB=num_kb, SOFTWARE=interpreting, BLOCK=SUM_BLOCK, **extra2)
+            ws, out, m * n, n, out.stride(0), NUM_KB=num_kb, SOFTWARE=interpreting, BLOCK=SUM_BLOCK, **extra2, **pdl)

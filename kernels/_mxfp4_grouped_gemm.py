@@ -52,7 +52,7 @@ import triton.language as tl
 
 from ._mxfp4_dequant import (_dequant_w, _dequant_w_asm, _dequant_w_swz_asm, _mma64_tile_ptrs, _mma64_unswizzle,
                              _nibbles_to_f32)
-from ._triton_utils import round_to_bf16
+from ._triton_utils import pdl_enter, round_to_bf16
 
 
 @triton.jit
@@ -78,7 +78,9 @@ def _mxfp4_grouped_gemm_kernel(
     ASM: tl.constexpr = False,          # bf16 weights built by inline PTX (_dequant_w), GPU only
     W_SWZ: tl.constexpr = False,        # weights in the "mma64" layout (weights/mma_layout.py);
                                         # needs SCALE_BCAST, BLOCK_N % 64 == 0 and K % 128 == 0
+    PDL: tl.constexpr = False,  # pdl_enter: programmatic dependent launch
 ):
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m >= tl.load(num_blocks_ptr):
@@ -217,11 +219,13 @@ def _mxfp4_grouped_gemm_swap_kernel(
     A_BF16: tl.constexpr = False,  # activations given as bf16, each 128-block as [64 even k | 64 odd k]
                                    # (K % 128 == 0): the MMA's second operand loads as is
     DIAG: tl.constexpr = 0,        # probes only (gpu_probe_swz.py --diag): 1 skip dequant, 2 skip MMA
+    PDL: tl.constexpr = False,  # pdl_enter: programmatic dependent launch
 ):
     """Swapped operands: out^T[n, rows] = W[n, k] . A^T[k, rows]. The dequantised weight
     tile is the MMA's first operand (kept in registers on Hopper: no shared-memory round
     trip), the BLOCK_M routed rows (16 at decode) are the second. Same per-block products
     and the same block-order accumulation as _mxfp4_grouped_gemm_kernel."""
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -339,10 +343,12 @@ def _mxfp4_gemv_kernel(
     SELECT_SUBNORMAL: tl.constexpr = False,
     ASM: tl.constexpr = False,
     UNROLL: tl.constexpr = 1,   # 128-blocks per loop iteration (their loads issue together)
+    PDL: tl.constexpr = False,  # pdl_enter: programmatic dependent launch
 ):
     """One routed row per program (alignment with BLOCK_M = 1): a batched GEMV on the CUDA
     cores, no MMA padding. Per 128-wide block: exact fp32 products summed in any order
     (the freedom SPEC §4.3 leaves), then acc += block_sum * sa in block order."""
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -398,10 +404,12 @@ def _mxfp4_gemv_kernel(
 @triton.jit
 def _split_k_reduce_kernel(ws_ptr, out_ptr, route_rows_ptr, R, N, stride_om,
                            KB: tl.constexpr, OUT_SCATTER: tl.constexpr,
-                           BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SOFTWARE_BF16: tl.constexpr):
+                           BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SOFTWARE_BF16: tl.constexpr,
+                           PDL: tl.constexpr = False):
     """out[dest(r), n] = bf16(sum over kb, in order, from +0.0, of ws[kb, r, n]) for every
     local route r (route_rows[r] >= 0); dest = r (scatter) or its GEMM row. Bitwise the
     single pass's `acc += part * s_a` loop."""
+    pdl_enter(PDL)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.load(route_rows_ptr + r, mask=r < R, other=-1)

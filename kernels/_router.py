@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ._triton_utils import pdl_enter
+
 
 @triton.jit
 def _sqrt_softplus(logit):
@@ -39,6 +41,7 @@ def _router_logits_kernel(
     T, E, stride_x, stride_w, stride_o,
     H: tl.constexpr,   # NOTE: constexpr (a model constant) so the interpreter can run the loop
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,  # pdl_enter: programmatic dependent launch
 ):
     """logits[t, e] = sum_h x[t, h] * W[e, h] on the CUDA cores, fp32 accumulation.
 
@@ -46,6 +49,7 @@ def _router_logits_kernel(
     the reference (as with cuBLAS). Grid (cdiv(E, BLOCK_E), cdiv(T, BLOCK_T)): for decode
     the gate weight (E x H) is spread over ~E / BLOCK_E programs that each stream
     BLOCK_E rows once, where cuBLAS's split-K GEMV needs a second (reduce) launch."""
+    pdl_enter(PDL)
     pid_e = tl.program_id(0)
     pid_t = tl.program_id(1)
     tt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -78,7 +82,9 @@ def _route_topk_kernel(
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
     HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
     APPLY_SCORES: tl.constexpr = False,  # GPU only: read logits, apply _sqrt_softplus here
+    PDL: tl.constexpr = False,  # pdl_enter: programmatic dependent launch
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     col = tl.arange(0, E_PAD)
     in_range = col < E

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._triton_utils import interpreting, quant_group_tile, round_to_bf16
+from ._triton_utils import interpreting, pdl_enter, pdl_options, quant_group_tile, round_to_bf16
 
 # NOTE: measured on the H200 (2026-11-29, session 3, docs/bench/2026-11-29/session3/):
 # with 4 programs per SM ncu showed 23 % achieved occupancy and 36 % of DRAM peak at
@@ -102,7 +102,9 @@ def _swiglu_quant_group_kernel(
     stride_gm, stride_qm, stride_sm, stride_sg,
     SCALE_FMT: tl.constexpr, HAS_RW: tl.constexpr, HAS_IDS: tl.constexpr, HAS_MAP: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr,
+    PDL: tl.constexpr = False,  # pdl_enter: programmatic dependent launch
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     rows = row + tl.arange(0, 1)
@@ -119,7 +121,9 @@ def _swiglu_quant_persistent_kernel(
     stride_gm, stride_qm, stride_sm, stride_sg,
     SCALE_FMT: tl.constexpr, HAS_RW: tl.constexpr, HAS_IDS: tl.constexpr, HAS_MAP: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr, BLOCK_M: tl.constexpr, PREFETCH: tl.constexpr = False,
+    PDL: tl.constexpr = False,  # pdl_enter: programmatic dependent launch
 ):
+    pdl_enter(PDL)
     # Grid (P, G): program (p, g) walks row blocks p, p + P, ... of quant group g. The
     # programs of one row block (all g) start together, so the gate and up halves of those
     # rows stream through L2 together; no integer division per tile (the earlier flat
@@ -162,14 +166,15 @@ def launch_swiglu_quant(gate_up, q_u8, s, rw, ids, emap, m_s: int, limit: float,
                  HAS_MAP=emap is not None, USE_LIBDEVICE=not interpreting())
     strides = (gate_up.stride(0), q_u8.stride(0), s.stride(0), s.stride(1))
     if strategy == "group":
-        _swiglu_quant_group_kernel[(m_s, g)](*args, m, m_s, i, float(limit), *strides, **flags, num_warps=1)
+        _swiglu_quant_group_kernel[(m_s, g)](*args, m, m_s, i, float(limit), *strides, **flags, num_warps=1,
+                                             **pdl_options(gate_up.device))
     elif strategy == "persistent":
         bm = PERSISTENT_BLOCK_M
         row_blocks = triton.cdiv(m_s, bm)
         nprog = max(1, min(row_blocks, PERSISTENT_PROGRAMS_PER_SM * num_sms // g))
         _swiglu_quant_persistent_kernel[(nprog, g)](*args, m, m_s, i, float(limit), row_blocks, *strides,
                                                     **flags, BLOCK_M=bm, PREFETCH=PERSISTENT_PREFETCH,
-                                                    num_warps=PERSISTENT_NUM_WARPS,
+                                                    num_warps=PERSISTENT_NUM_WARPS, **pdl_options(gate_up.device),
                                                     **({} if PERSISTENT_MAXNREG is None else
                                                        {"maxnreg": PERSISTENT_MAXNREG}))
     else:

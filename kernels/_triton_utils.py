@@ -1,4 +1,6 @@
-"""Shared Triton helpers for the FP8 activation quantisers (act_quant, swiglu_quant).
+"""Shared Triton helpers: the FP8 activation quantisers' group step (act_quant,
+swiglu_quant), bf16/e4m3 rounding, the split-K arrival protocol, and programmatic
+dependent launch (`pdl_enter` / `pdl_options`, used by every kernel of the CUDA path).
 
 Both quantisers end in the same per-128-column group step (SPEC §4.2); keeping it in one
 `@triton.jit` function is what makes the fused SwiGLU-quant and the unfused
@@ -17,15 +19,22 @@ Numerics, and why each choice:
 
 from __future__ import annotations
 
+import functools
 import os
 
+import torch
 import triton
 import triton.language as tl
+
+try:  # Triton >= 3.4; without it dispatch.has_pdl is False and PDL is never set
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
 
 __all__ = [
     "SCALE_FMT_FP32", "SCALE_FMT_E8M0", "SCALE_FMT_FP32_CM", "SCALE_FMT_AMAX", "SCALE_FMTS",
     "QUANT_BLOCK", "E4M3_MAX", "AMAX_FLOOR", "interpreting", "quant_group_tile", "ue8m0_from_amax",
-    "round_to_bf16", "cast_e4m3_bytes", "split_k_arrive", "split_k_reset",
+    "round_to_bf16", "cast_e4m3_bytes", "split_k_arrive", "split_k_reset", "pdl_enter", "pdl_options",
 ]
 
 # NOTE: integer codes are constexpr kernel arguments; fp32 and fp32_cm compute the same
@@ -46,6 +55,33 @@ def interpreting() -> bool:
     """True under TRITON_INTERPRET=1 (CPU); kernels then avoid libdevice calls, which the
     interpreter does not implement."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(index: int) -> bool:
+    from dsv4_moe.dispatch import has_pdl  # noqa: PLC0415
+    return has_pdl(torch.device("cuda", index))[0]
+
+
+def pdl_options(device: torch.device) -> dict:
+    """Launch options for a kernel that starts with `pdl_enter(PDL)`: PDL=True and Triton's
+    launch_pdl=True together (dispatch.has_pdl), or nothing. Always passed as a pair: a
+    kernel launched with the attribute but not waiting would race its predecessor."""
+    from dsv4_moe import dispatch  # noqa: PLC0415
+    if device.type != "cuda" or not dispatch.PDL_ENABLED or interpreting():
+        return {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return {"PDL": True, "launch_pdl": True} if _pdl_capable(index) else {}
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """First statement of every kernel of the CUDA path: with PDL, wait for the previous
+    kernel on the stream (complete, memory visible), then let the next one launch; no-op
+    otherwise (and under the interpreter, where PDL is never set)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit

@@ -71,7 +71,7 @@ def _check_shared(shared_out, t, h, device) -> None:
 
 def _launch_finalize(y, topk_ids, first_expert, num_local, shared_out, out, partial: bool):
     from ._finalize import _finalize_kernel
-    from ._triton_utils import interpreting
+    from ._triton_utils import interpreting, pdl_options
     t, k, h = y.shape
     bh, warps = _block_h(t, h)
     ids = topk_ids.contiguous()
@@ -80,7 +80,7 @@ def _launch_finalize(y, topk_ids, first_expert, num_local, shared_out, out, part
         y, ids, sh, out, h, first_expert, num_local,
         y.stride(0), y.stride(1), ids.stride(0), sh.stride(0), out.stride(0),
         TOP_K=k, BLOCK_H=bh, HAS_SHARED=shared_out is not None, PARTIAL=partial,
-        SOFTWARE_BF16=interpreting(), num_warps=warps)
+        SOFTWARE_BF16=interpreting(), num_warps=warps, **pdl_options(out.device))
     return out
 
 
@@ -117,13 +117,13 @@ def add_shared_round(acc: torch.Tensor, shared_out: torch.Tensor | None = None) 
     if t == 0 or h == 0:
         return out
     from ._finalize import _add_shared_round_kernel
-    from ._triton_utils import interpreting
+    from ._triton_utils import interpreting, pdl_options
     bh, warps = _block_h(t, h)
     sh = shared_out if shared_out is not None else out
     _add_shared_round_kernel[(t, -(-h // bh))](
         acc, sh, out, h, acc.stride(0), sh.stride(0), out.stride(0),
         BLOCK_H=bh, HAS_SHARED=shared_out is not None, SOFTWARE_BF16=interpreting(),
-        num_warps=warps)
+        num_warps=warps, **pdl_options(out.device))
     return out
 
 

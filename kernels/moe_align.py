@@ -124,6 +124,8 @@ def moe_align(topk_ids: torch.Tensor, num_local: int, first_expert: int, block_m
     import triton  # noqa: PLC0415
 
     from ._moe_align import _align_count_kernel, _align_scan_kernel, _align_scatter_kernel, _align_small_kernel
+    from ._triton_utils import pdl_options
+    pdl = pdl_options(dev)
     ids = topk_ids.contiguous().view(-1)
     c = triton.cdiv(r, _BLOCK)
     e_pad = max(triton.next_power_of_2(num_local), _E_TILE)
@@ -142,12 +144,12 @@ def moe_align(topk_ids: torch.Tensor, num_local: int, first_expert: int, block_m
                                   r, first_expert, num_local, max_blocks,
                                   HAS_WEIGHTS=tw is not None, BLOCK=_BLOCK, BLOCK_M=block_m, E_PAD=e_pad,
                                   ROWS_PAD=triton.next_power_of_2(max_rows),
-                                  MB_PAD=triton.next_power_of_2(max_blocks), num_warps=4)
+                                  MB_PAD=triton.next_power_of_2(max_blocks), num_warps=4, **pdl)
         return out
     chunk_counts = torch.empty((c, e_pad), **i32)
     chunk_base = torch.empty((c, e_pad), **i32)
     _align_count_kernel[(c,)](ids, out.route_rows, chunk_counts, r, first_expert, num_local,
-                              BLOCK=_BLOCK, E_PAD=e_pad, E_TILE=_E_TILE, num_warps=4)
+                              BLOCK=_BLOCK, E_PAD=e_pad, E_TILE=_E_TILE, num_warps=4, **pdl)
     c_pad = triton.next_power_of_2(c)
     # NOTE: as many experts per scan step as fit a [C_PAD, E_TILE] tile of ~4096 counts
     # (one step for all experts at decode): the single program's serial loop was 4.8 us
@@ -156,12 +158,13 @@ def moe_align(topk_ids: torch.Tensor, num_local: int, first_expert: int, block_m
     _align_scan_kernel[(1,)](chunk_counts, chunk_base, out.expert_counts, out.expert_offsets,
                              out.num_valid_blocks, c, num_local,
                              BLOCK_M=block_m, C_PAD=c_pad, E_PAD=e_pad,
-                             E_TILE=e_tile, num_warps=4)
+                             E_TILE=e_tile, num_warps=4, **pdl)
     tw = None if topk_weights is None else topk_weights.contiguous().view(-1)
     grid = max(c, triton.cdiv(max_blocks, _BB))
     _align_scatter_kernel[(grid,)](ids, out.route_rows, chunk_base, out.expert_counts, out.expert_offsets,
                                    out.num_valid_blocks, out.sorted_route_ids, out.block_expert,
                                    out.row_expert, tw, out.row_weight if tw is not None else out.row_expert,
                                    r, first_expert, num_local, c, max_blocks,
-                                   HAS_WEIGHTS=tw is not None, BLOCK=_BLOCK, BLOCK_M=block_m, BB=_BB, E_PAD=e_pad, num_warps=4)
+                                   HAS_WEIGHTS=tw is not None, BLOCK=_BLOCK, BLOCK_M=block_m, BB=_BB, E_PAD=e_pad,
+                                   num_warps=4, **pdl)
     return out

@@ -226,7 +226,7 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
     import triton  # noqa: PLC0415
 
     from ._mxfp4_grouped_gemm import _mxfp4_grouped_gemm_kernel
-    from ._triton_utils import interpreting
+    from ._triton_utils import interpreting, pdl_options
     q = q.contiguous()
     sa = sa.contiguous()
     w4 = w4.contiguous()
@@ -250,7 +250,7 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
         SOFTWARE_BF16=interpreting(),
         A_SPLIT=cfg.a_split, W_KN=cfg.w_kn, SCALE_BCAST=cfg.scale_bcast, DIAG=cfg.diag,
         ASM=cfg.asm and cfg.scale_bcast and not interpreting(), W_SWZ=swz,
-        num_warps=cfg.num_warps, **_launch_opts(cfg),
+        num_warps=cfg.num_warps, **_launch_opts(cfg), **pdl_options(out.device),
     )
     return out
 
@@ -276,7 +276,7 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
     import triton  # noqa: PLC0415
 
     from ._mxfp4_grouped_gemm import _mxfp4_gemv_kernel, _mxfp4_grouped_gemm_swap_kernel, _split_k_reduce_kernel
-    from ._triton_utils import interpreting
+    from ._triton_utils import interpreting, pdl_options
     kb = -(-k // 128)
     splits = min(cfg.split_k, kb)
     kb_per = -(-kb // splits)
@@ -291,7 +291,7 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
     common = dict(A_GATHER=gather_a, OUT_SCATTER=scatter_out, K=k, BLOCK_N=cfg.block_n,
                   NUM_STAGES=cfg.num_stages, KB_PER=kb_per, SPLIT=split, SOFTWARE_BF16=interpreting(),
                   ASM=cfg.asm and not interpreting(),
-                  num_warps=cfg.num_warps, **_launch_opts(cfg))
+                  num_warps=cfg.num_warps, **_launch_opts(cfg), **pdl_options(out.device))
     if cfg.kind == "swap":
         _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, W_SWZ=swz, A_BF16=cfg.a_bf16,
                                               DIAG=cfg.diag, **common)
@@ -303,5 +303,5 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
         br, bn = 1, 128
         _split_k_reduce_kernel[(triton.cdiv(r, br), triton.cdiv(n, bn))](
             ws, out, align.route_rows, r, n, out.stride(0), KB=kb, OUT_SCATTER=scatter_out,
-            BLOCK_R=br, BLOCK_N=bn, SOFTWARE_BF16=interpreting(), num_warps=1)
+            BLOCK_R=br, BLOCK_N=bn, SOFTWARE_BF16=interpreting(), num_warps=1, **pdl_options(out.device))
     return out

@@ -95,6 +95,7 @@ def router_logits_gemv(x: torch.Tensor, weight: torch.Tensor,
     import triton  # noqa: PLC0415
 
     from ._router import _router_logits_kernel
+    from ._triton_utils import pdl_options
     t, h = x.shape
     e = weight.shape[0]
     out = torch.empty((t, e), dtype=torch.float32, device=x.device)
@@ -105,7 +106,7 @@ def router_logits_gemv(x: torch.Tensor, weight: torch.Tensor,
     weight = weight.contiguous()
     _router_logits_kernel[(triton.cdiv(e, be), triton.cdiv(t, bt))](
         x, weight, out, t, e, x.stride(0), weight.stride(0), out.stride(0),
-        H=h, BLOCK_T=bt, BLOCK_E=be, BLOCK_H=bh, NUM_STAGES=3, num_warps=warps)
+        H=h, BLOCK_T=bt, BLOCK_E=be, BLOCK_H=bh, NUM_STAGES=3, num_warps=warps, **pdl_options(x.device))
     return out
 
 
@@ -163,6 +164,7 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     import triton  # noqa: PLC0415  (lazy: importing dsv4_moe.kernels never needs triton)
 
     from ._router import _route_topk_kernel
+    from ._triton_utils import pdl_options
     dummy = scores
     _route_topk_kernel[(t,)](
         scores, bias if bias is not None else dummy,
@@ -178,5 +180,6 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         # (ftz) the scores of 2,180,453 fp32 logits in [-103.97, -87.34] (torch's softplus
         # is subnormal there) came out 0 instead of torch's value (exhaustive H200 check)
         enable_reflect_ftz=False,
+        **pdl_options(x.device),
     )
     return out_w, out_ids

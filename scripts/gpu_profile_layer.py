@@ -3,7 +3,8 @@
     OUT=./out python3 scripts/gpu_profile_layer.py [--tokens 1,4,16] [--presets flash,pro-tp8]
 
 Per preset and T: the CUDA-graph replay time of the layer with the shared expert in line
-and overlapped on a side stream (median of 50 replays of 10 forwards), and a per-kernel
+and overlapped on a side stream, each with programmatic dependent launch (PDL) on and off
+(median of 50 replays of 10 forwards, the four variants interleaved), and a per-kernel
 table (torch.profiler over 20 eager forwards: calls, mean device time) so the kernel sum
 can be set against the graph time (the difference is launch gaps and serialisation).
 Writes $OUT/profile_layer.txt and .json.
@@ -17,11 +18,11 @@ from collections import defaultdict
 
 import torch
 
-from dsv4_moe import DeepseekV4MoE, MoEConfig
+from dsv4_moe import DeepseekV4MoE, MoEConfig, dispatch
 from dsv4_moe.testing import random_layer_weights
 
 
-def graph_us(layer, x, ids, inner=10, reps=50):
+def capture(layer, x, ids, inner=10):
     with torch.no_grad():
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -35,15 +36,21 @@ def graph_us(layer, x, ids, inner=10, reps=50):
                 layer(x, ids)
     g.replay()
     torch.cuda.synchronize()
-    ts = []
+    return g
+
+
+def graphs_us(graphs: dict, inner=10, reps=50) -> dict:
+    """Median replay time per forward of each graph, the graphs' replays interleaved."""
+    ts = {k: [] for k in graphs}
     for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000 / inner)
-    return sorted(ts)[len(ts) // 2]
+        for k, g in graphs.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            ts[k].append(a.elapsed_time(b) * 1000 / inner)
+    return {k: sorted(v)[len(v) // 2] for k, v in ts.items()}
 
 
 def kernel_table(layer, x, ids, n=20):
@@ -84,20 +91,28 @@ def main():
             g = torch.Generator(device="cuda").manual_seed(t)
             x = torch.randn(t, cfg.hidden_size, device="cuda", generator=g).bfloat16()
             ids = torch.randint(0, cfg.vocab_size, (t,), device="cuda", generator=g)
-            res = {}
+            graphs = {}
             for ov in (False, True):
-                layer.overlap_shared = ov
-                res[ov] = graph_us(layer, x, ids)
+                for pdl in (True, False):
+                    layer.overlap_shared = ov
+                    dispatch.PDL_ENABLED = pdl
+                    graphs[(ov, pdl)] = capture(layer, x, ids)
+            dispatch.PDL_ENABLED = True
+            res = graphs_us(graphs)
+            del graphs
             layer.overlap_shared = False
             table = kernel_table(layer, x, ids)
             layer.overlap_shared = True
             ksum = sum(r[2] for r in table)
-            lines.append(f"== {name} T={t}: graph in line {res[False]:.1f} us, overlapped {res[True]:.1f} us; "
-                         f"kernel sum (in line, eager) {ksum:.1f} us over {sum(r[1] for r in table):.0f} launches")
+            lines.append(f"== {name} T={t}: graph in line {res[(False, True)]:.1f} us (PDL off "
+                         f"{res[(False, False)]:.1f}), overlapped {res[(True, True)]:.1f} us (PDL off "
+                         f"{res[(True, False)]:.1f}); kernel sum (in line, eager) {ksum:.1f} us over "
+                         f"{sum(r[1] for r in table):.0f} launches")
             for k, c, us in table:
                 lines.append(f"   {us:8.2f} us  x{c:4.1f}  {k}")
-            rows.append(dict(preset=name, T=t, graph_inline_us=res[False], graph_overlap_us=res[True],
-                             kernel_sum_us=ksum, kernels=table))
+            rows.append(dict(preset=name, T=t, graph_inline_us=res[(False, True)], graph_overlap_us=res[(True, True)],
+                             graph_inline_no_pdl_us=res[(False, False)], graph_overlap_no_pdl_us=res[(True, False)],
+                             pdl=dispatch.has_pdl(layer.device)[1], kernel_sum_us=ksum, kernels=table))
             print("\n".join(lines[-len(table) - 1:]), flush=True)
     with open(os.path.join(out, "profile_layer.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")

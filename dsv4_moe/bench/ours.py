@@ -4,6 +4,8 @@
     layer paths   "default"    DeepseekV4MoE.forward as dispatch chooses (best available)
                   "unfused"    force_paths(swiglu_quant="unfused", finalize="unfused")
                   "reference"  force_paths(every stage="reference")
+                  "no_pdl"     "default" with programmatic dependent launch off (dispatch.PDL_ENABLED):
+                               the A/B of PDL (opt-in: --paths default,no_pdl)
     stages        router       dispatch "router" path on x
                   act_quant    dispatch "act_quant" path on x
                   shared       DeepseekV4MLP.forward(x) (the layer's shared_experts module type: its own
@@ -28,17 +30,18 @@ import torch
 from dsv4_moe import reference as R
 from dsv4_moe.weights.formats import dequant_fp8_block, dequant_mxfp4
 
-__all__ = ["LAYER_PATHS", "STAGES", "path_forces", "force_context", "build_layer", "build_shared", "select_stage",
+__all__ = ["LAYER_PATHS", "DEFAULT_LAYER_PATHS", "STAGES", "path_forces", "force_context", "build_layer", "build_shared", "select_stage",
            "make_context", "single_rank_view", "plan_label", "StageSet", "stage_callables", "stage_reference",
            "fill_stage_inputs", "subset", "exact_output"]
 
-LAYER_PATHS = ("default", "unfused", "reference")
+LAYER_PATHS = ("default", "unfused", "reference", "no_pdl")
+DEFAULT_LAYER_PATHS = ("default", "unfused", "reference")
 STAGES = ("router", "act_quant", "shared", "routed", "finalize")
 _ALL_STAGES = ("router", "act_quant", "fp8_gemm", "swiglu_quant", "routed_experts", "finalize")
 
 
 def path_forces(path: str) -> dict:
-    if path == "default":
+    if path in ("default", "no_pdl"):
         return {}
     if path == "unfused":
         return {"swiglu_quant": "unfused", "finalize": "unfused"}
@@ -50,10 +53,22 @@ def path_forces(path: str) -> dict:
 def force_context(path: str) -> Callable[[], contextlib.AbstractContextManager]:
     """A factory of `dsv4_moe.force_paths(**path_forces(path))` contexts (nullcontext for default)."""
     forces = path_forces(path)
+    if path == "no_pdl":
+        return _pdl_off
     if not forces:
         return contextlib.nullcontext
     force_paths = _force_paths_fn()
     return lambda: force_paths(**forces)
+
+
+@contextlib.contextmanager
+def _pdl_off():
+    d = importlib.import_module("dsv4_moe.dispatch")
+    saved, d.PDL_ENABLED = d.PDL_ENABLED, False
+    try:
+        yield
+    finally:
+        d.PDL_ENABLED = saved
 
 
 def _force_paths_fn():

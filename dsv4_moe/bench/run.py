@@ -76,7 +76,8 @@ def build_parser(prog: str = "python -m dsv4_moe bench") -> argparse.ArgumentPar
     run.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma-separated token counts")
     run.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
     run.add_argument("--parts", default="layer,stages,peers", help="any of layer,stages,peers")
-    run.add_argument("--paths", default=",".join(ours.LAYER_PATHS), help="layer paths to time")
+    run.add_argument("--paths", default=",".join(ours.DEFAULT_LAYER_PATHS),
+                     help=f"layer paths to time, any of {','.join(ours.LAYER_PATHS)}")
     run.add_argument("--stages", default=",".join(ours.STAGES), help="stages to time")
     run.add_argument("--peers", default=",".join(DEFAULT_PEERS), help=f"any of {','.join(PEERS)}")
     run.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,

@@ -1,0 +1,82 @@
+"""Programmatic dependent launch (PDL): the pairing rule and the dispatch fact.
+
+A kernel launched with the programmatic-serialisation attribute may start before its
+predecessor on the stream has finished; it is only correct if its first action is
+`griddepcontrol.wait` (kernels._triton_utils.pdl_enter). These tests hold every Triton
+kernel of the package to that rule by reading the source (the GPU run itself is checked
+bitwise PDL on == off by scripts/gpu_check_layer.py), and check the CPU side of the switch.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+import torch
+
+import dsv4_moe.kernels
+from dsv4_moe import dispatch
+from dsv4_moe.kernels._triton_utils import pdl_options
+
+KERNELS = pathlib.Path(dsv4_moe.kernels.__file__).resolve().parent
+
+
+def _jit_kernels():
+    for path in sorted(KERNELS.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel") and any(
+                    "jit" in ast.unparse(d) for d in node.decorator_list):
+                yield path.name, node
+
+
+def test_every_kernel_waits_first():
+    found = list(_jit_kernels())
+    assert len(found) >= 15, [n.name for _, n in found]
+    for fname, node in found:
+        args = [a.arg for a in node.args.args]
+        assert "PDL" in args, f"{fname}:{node.name} has no PDL parameter"
+        default = node.args.defaults[args.index("PDL") - (len(args) - len(node.args.defaults))]
+        assert ast.unparse(default) == "False", f"{fname}:{node.name}: PDL must default to False"
+        body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+        first = ast.unparse(body[0])
+        assert first == "pdl_enter(PDL)", f"{fname}:{node.name}: first statement is {first!r}, not pdl_enter(PDL)"
+
+
+def test_every_launch_passes_the_options():
+    """Every `name_kernel[grid](...)` launch in kernels/ carries pdl_options (directly, via a
+    `pdl` dict built from it, or via a kwargs dict that does)."""
+    for path in sorted(KERNELS.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and \
+                    ast.unparse(node.func.value).endswith("_kernel"):
+                starred = [ast.unparse(k.value) for k in node.keywords if k.arg is None]
+                assert any("pdl" in s or s == "common" for s in starred), \
+                    f"{path.name}: launch of {ast.unparse(node.func.value)} without pdl_options ({starred})"
+                if "common" in starred:
+                    src = path.read_text()
+                    assert "**pdl_options(out.device))" in src.split("common = dict(")[1].split("\n    if ")[0]
+
+
+def test_cpu_and_interpreter_never_get_pdl(monkeypatch):
+    assert pdl_options(torch.device("cpu")) == {}
+    ok, why = dispatch.has_pdl(torch.device("cpu"))
+    assert not ok and "cpu" in why
+    monkeypatch.setattr(dispatch, "PDL_ENABLED", False)
+    ok, why = dispatch.has_pdl(torch.device("cuda", 0))
+    assert not ok and "DSV4_MOE_PDL=0" in why
+
+
+def test_explain_names_the_launch_mode():
+    text = dispatch.explain(dispatch.DispatchContext(device=torch.device("cpu")))
+    line = next(li for li in text.splitlines() if li.strip().startswith("launches"))
+    assert "plain" in line and "cpu" in line
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (sm_90 for PDL)")
+def test_cuda_options_follow_the_capability():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ok, _ = dispatch.has_pdl(dev)
+    assert pdl_options(dev) == ({"PDL": True, "launch_pdl": True} if ok else {})
