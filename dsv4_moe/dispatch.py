@@ -76,11 +76,11 @@ PDL_ENABLED = os.environ.get("DSV4_MOE_PDL", "1") not in ("", "0")
 def has_pdl(device: torch.device) -> tuple[bool, str]:
     if not PDL_ENABLED:
         return False, "programmatic dependent launch off (DSV4_MOE_PDL=0 / dispatch.PDL_ENABLED)"
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return False, "Triton interpreter (no griddepcontrol)"
     ok, why = has_cuda(device)
     if not ok:
         return ok, why
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False, "Triton interpreter (no griddepcontrol)"
     cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
     if cap < (9, 0):
         return False, f"compute capability {cap[0]}.{cap[1]} has no programmatic dependent launch (needs >= 9.0)"
