@@ -26,7 +26,7 @@ import torch
 
 __all__ = [
     "DispatchContext", "Path", "STAGES", "select", "plan", "explain", "force_paths",
-    "has_cuda", "has_fp8_mma", "has_pdl", "has_triton", "is_gfx950", "PDL_ENABLED",
+    "has_cuda", "has_fp8_mma", "has_pdl", "has_triton", "is_gfx950", "PDL_MODE", "PDL_MODES",
 ]
 
 
@@ -64,18 +64,25 @@ def has_fp8_mma(device: torch.device) -> tuple[bool, str]:
 
 
 # Programmatic dependent launch (PDL, sm_90+): every Triton kernel of the CUDA path is
-# launched with the programmatic-serialisation attribute, waits (griddepcontrol.wait) as
-# its first instruction for the previous kernel on the stream to finish and flush, then
-# lets its own successor launch (griddepcontrol.launch_dependents): the next kernel's
-# launch and scheduling overlap this one's tail instead of following it. Same bits by
-# construction (every kernel still waits before any load or store). `DSV4_MOE_PDL=0`
-# turns it off; so does setting PDL_ENABLED = False before the first launch.
-PDL_ENABLED = os.environ.get("DSV4_MOE_PDL", "1") not in ("", "0")
+# launched with the programmatic-serialisation attribute and waits (griddepcontrol.wait)
+# as its first instruction for the previous kernel on the stream to finish and flush, so
+# the next kernel's launch and scheduling overlap this one's tail; same bits by
+# construction. PDL_MODE says when a kernel lets its successor launch:
+#   "early"  griddepcontrol.launch_dependents right after the wait (the successor's CTAs
+#            can become resident, idle, while this kernel's last wave runs)
+#   "exit"   at CTA exit (implicit): only the launch latency is hidden
+#   "off"    plain launches
+# `DSV4_MOE_PDL=early|exit|off` (1 = early, 0 = off) sets it; so does assigning PDL_MODE.
+_PDL_ENV = {"1": "early", "early": "early", "exit": "exit", "0": "off", "": "off", "off": "off"}
+PDL_MODE = _PDL_ENV.get(os.environ.get("DSV4_MOE_PDL", "exit").strip().lower(), "exit")
+PDL_MODES = ("early", "exit", "off")
 
 
 def has_pdl(device: torch.device) -> tuple[bool, str]:
-    if not PDL_ENABLED:
-        return False, "programmatic dependent launch off (DSV4_MOE_PDL=0 / dispatch.PDL_ENABLED)"
+    if PDL_MODE not in PDL_MODES:
+        raise ValueError(f"dispatch.PDL_MODE={PDL_MODE!r}: expected one of {PDL_MODES}")
+    if PDL_MODE == "off":
+        return False, "programmatic dependent launch off (DSV4_MOE_PDL=off / dispatch.PDL_MODE)"
     ok, why = has_cuda(device)
     if not ok:
         return ok, why
@@ -91,7 +98,7 @@ def has_pdl(device: torch.device) -> tuple[bool, str]:
         from triton.language.extra.cuda import gdc_wait  # noqa: F401, PLC0415
     except ImportError:
         return False, "this Triton has no griddepcontrol (triton.language.extra.cuda.gdc_wait)"
-    return True, f"programmatic dependent launch on sm_{cap[0]}{cap[1]}"
+    return True, f"programmatic dependent launch on sm_{cap[0]}{cap[1]}, successors released at {PDL_MODE!r}"
 
 
 def is_gfx950(device: torch.device) -> tuple[bool, str]:

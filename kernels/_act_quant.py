@@ -19,7 +19,7 @@ def _act_quant_kernel(
     M, M_S, K,
     stride_xm, stride_qm, stride_sm, stride_sg,
     SCALE_FMT: tl.constexpr, BLOCK_M: tl.constexpr, SOFTWARE: tl.constexpr,
-    PDL: tl.constexpr = False,  # pdl_enter: programmatic dependent launch
+    PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
 ):
     pdl_enter(PDL)
     pid_m = tl.program_id(0)

@@ -40,7 +40,7 @@ def _finalize_kernel(y_ptr, ids_ptr, shared_ptr, out_ptr, H, first_expert, num_l
                      stride_yt, stride_ys, stride_it, stride_st, stride_ot,
                      TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
                      HAS_SHARED: tl.constexpr, PARTIAL: tl.constexpr, SOFTWARE_BF16: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -60,7 +60,7 @@ def _finalize_kernel(y_ptr, ids_ptr, shared_ptr, out_ptr, H, first_expert, num_l
 @triton.jit
 def _add_shared_round_kernel(acc_ptr, shared_ptr, out_ptr, H, stride_at, stride_st, stride_ot,
                              BLOCK_H: tl.constexpr, HAS_SHARED: tl.constexpr,
-                             SOFTWARE_BF16: tl.constexpr, PDL: tl.constexpr = False):
+                             SOFTWARE_BF16: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)

@@ -98,7 +98,7 @@ def _fp8_block_gemm_kernel(
     stride_am, stride_bn, stride_sam, stride_sak, stride_sbn, stride_sbk, stride_cm,
     SB_E8M0: tl.constexpr, EVEN_K: tl.constexpr, IMPRECISE: tl.constexpr, SOFTWARE: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    PDL: tl.constexpr = False,  # pdl_enter: programmatic dependent launch
+    PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
 ):
     pdl_enter(PDL)
     pid = tl.program_id(0)
@@ -155,7 +155,7 @@ def _fp8_gemv_kernel(
     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
     FIXUP: tl.constexpr = False,   # SPLIT: the tile's last program sums ws (kernels/split_k.py)
     NUM_KB: tl.constexpr = 0,      # FIXUP: K blocks to sum (unrolled, as in _splitk_sum_kernel)
-    PDL: tl.constexpr = False,  # pdl_enter: programmatic dependent launch
+    PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
 ):
     """Decode body (GEMV config): one activation row x BLOCK_N weight rows per program on
     the CUDA cores. Per K block the 128 exact fp32 products are summed in any order (the
@@ -215,7 +215,7 @@ def _fp8_gemv_kernel(
 @triton.jit
 def _splitk_sum_kernel(ws_ptr, c_ptr, MN, N, stride_cm,
                        NUM_KB: tl.constexpr, SOFTWARE: tl.constexpr, BLOCK: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       PDL: tl.constexpr = 0):
     """Phase 2: out[m, n] = bf16(((0 + ws[0,m,n]) + ws[1,m,n]) + ... ), kb ascending.
 
     The K-block loop is unrolled (NUM_KB constexpr, <= 56 for the V4 shapes) so all of a

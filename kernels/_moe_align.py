@@ -40,7 +40,7 @@ def _local_key(ids_ptr, r, in_r, first_expert, num_local):
 
 @triton.jit
 def _align_count_kernel(ids_ptr, rank_ptr, chunk_counts_ptr, R, first_expert, num_local,
-                        BLOCK: tl.constexpr, E_PAD: tl.constexpr, E_TILE: tl.constexpr, PDL: tl.constexpr = False):
+                        BLOCK: tl.constexpr, E_PAD: tl.constexpr, E_TILE: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     c = tl.program_id(0)
     i = tl.arange(0, BLOCK)
@@ -59,7 +59,7 @@ def _align_count_kernel(ids_ptr, rank_ptr, chunk_counts_ptr, R, first_expert, nu
 def _align_scan_kernel(chunk_counts_ptr, chunk_base_ptr, expert_counts_ptr, expert_offsets_ptr,
                        num_blocks_ptr, C, num_local,
                        BLOCK_M: tl.constexpr, C_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                       E_TILE: tl.constexpr, PDL: tl.constexpr = False):
+                       E_TILE: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     cc = tl.arange(0, C_PAD)
     carry = tl.zeros([1], tl.int32)
@@ -87,7 +87,7 @@ def _align_scatter_kernel(ids_ptr, route_rows_ptr, chunk_base_ptr, expert_counts
                           row_expert_ptr, topk_w_ptr, row_weight_ptr,
                           R, first_expert, num_local, C, max_blocks,
                           HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BB: tl.constexpr,
-                          E_PAD: tl.constexpr, PDL: tl.constexpr = False):
+                          E_PAD: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     pid = tl.program_id(0)
     # ---- routes of chunk pid -> their rows
@@ -133,7 +133,7 @@ def _align_small_kernel(ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, 
                         num_blocks_ptr, sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_weight_ptr,
                         R, first_expert, num_local, max_blocks,
                         HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                        E_PAD: tl.constexpr, ROWS_PAD: tl.constexpr, MB_PAD: tl.constexpr, PDL: tl.constexpr = False):
+                        E_PAD: tl.constexpr, ROWS_PAD: tl.constexpr, MB_PAD: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     i = tl.arange(0, BLOCK)
     in_r = i < R

@@ -78,7 +78,7 @@ def _mxfp4_grouped_gemm_kernel(
     ASM: tl.constexpr = False,          # bf16 weights built by inline PTX (_dequant_w), GPU only
     W_SWZ: tl.constexpr = False,        # weights in the "mma64" layout (weights/mma_layout.py);
                                         # needs SCALE_BCAST, BLOCK_N % 64 == 0 and K % 128 == 0
-    PDL: tl.constexpr = False,  # pdl_enter: programmatic dependent launch
+    PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
 ):
     pdl_enter(PDL)
     pid_m = tl.program_id(0)
@@ -219,7 +219,7 @@ def _mxfp4_grouped_gemm_swap_kernel(
     A_BF16: tl.constexpr = False,  # activations given as bf16, each 128-block as [64 even k | 64 odd k]
                                    # (K % 128 == 0): the MMA's second operand loads as is
     DIAG: tl.constexpr = 0,        # probes only (gpu_probe_swz.py --diag): 1 skip dequant, 2 skip MMA
-    PDL: tl.constexpr = False,  # pdl_enter: programmatic dependent launch
+    PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
 ):
     """Swapped operands: out^T[n, rows] = W[n, k] . A^T[k, rows]. The dequantised weight
     tile is the MMA's first operand (kept in registers on Hopper: no shared-memory round
@@ -343,7 +343,7 @@ def _mxfp4_gemv_kernel(
     SELECT_SUBNORMAL: tl.constexpr = False,
     ASM: tl.constexpr = False,
     UNROLL: tl.constexpr = 1,   # 128-blocks per loop iteration (their loads issue together)
-    PDL: tl.constexpr = False,  # pdl_enter: programmatic dependent launch
+    PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
 ):
     """One routed row per program (alignment with BLOCK_M = 1): a batched GEMV on the CUDA
     cores, no MMA padding. Per 128-wide block: exact fp32 products summed in any order
@@ -405,7 +405,7 @@ def _mxfp4_gemv_kernel(
 def _split_k_reduce_kernel(ws_ptr, out_ptr, route_rows_ptr, R, N, stride_om,
                            KB: tl.constexpr, OUT_SCATTER: tl.constexpr,
                            BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SOFTWARE_BF16: tl.constexpr,
-                           PDL: tl.constexpr = False):
+                           PDL: tl.constexpr = 0):
     """out[dest(r), n] = bf16(sum over kb, in order, from +0.0, of ws[kb, r, n]) for every
     local route r (route_rows[r] >= 0); dest = r (scatter) or its GEMM row. Bitwise the
     single pass's `acc += part * s_a` loop."""

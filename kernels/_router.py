@@ -41,7 +41,7 @@ def _router_logits_kernel(
     T, E, stride_x, stride_w, stride_o,
     H: tl.constexpr,   # NOTE: constexpr (a model constant) so the interpreter can run the loop
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PDL: tl.constexpr = False,  # pdl_enter: programmatic dependent launch
+    PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
 ):
     """logits[t, e] = sum_h x[t, h] * W[e, h] on the CUDA cores, fp32 accumulation.
 
@@ -82,7 +82,7 @@ def _route_topk_kernel(
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
     HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
     APPLY_SCORES: tl.constexpr = False,  # GPU only: read logits, apply _sqrt_softplus here
-    PDL: tl.constexpr = False,  # pdl_enter: programmatic dependent launch
+    PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
 ):
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)

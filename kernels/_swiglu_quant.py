@@ -102,7 +102,7 @@ def _swiglu_quant_group_kernel(
     stride_gm, stride_qm, stride_sm, stride_sg,
     SCALE_FMT: tl.constexpr, HAS_RW: tl.constexpr, HAS_IDS: tl.constexpr, HAS_MAP: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr,
-    PDL: tl.constexpr = False,  # pdl_enter: programmatic dependent launch
+    PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
 ):
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -121,7 +121,7 @@ def _swiglu_quant_persistent_kernel(
     stride_gm, stride_qm, stride_sm, stride_sg,
     SCALE_FMT: tl.constexpr, HAS_RW: tl.constexpr, HAS_IDS: tl.constexpr, HAS_MAP: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr, BLOCK_M: tl.constexpr, PREFETCH: tl.constexpr = False,
-    PDL: tl.constexpr = False,  # pdl_enter: programmatic dependent launch
+    PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
 ):
     pdl_enter(PDL)
     # Grid (P, G): program (p, g) walks row blocks p, p + P, ... of quant group g. The

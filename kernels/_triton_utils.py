@@ -63,25 +63,31 @@ def _pdl_capable(index: int) -> bool:
     return has_pdl(torch.device("cuda", index))[0]
 
 
+_PDL_CODE = {"early": 1, "exit": 2}
+
+
 def pdl_options(device: torch.device) -> dict:
-    """Launch options for a kernel that starts with `pdl_enter(PDL)`: PDL=True and Triton's
-    launch_pdl=True together (dispatch.has_pdl), or nothing. Always passed as a pair: a
-    kernel launched with the attribute but not waiting would race its predecessor."""
+    """Launch options for a kernel that starts with `pdl_enter(PDL)`: PDL (1 early, 2 exit:
+    dispatch.PDL_MODE) and Triton's launch_pdl=True together (dispatch.has_pdl), or nothing.
+    Always a pair: a kernel launched with the attribute but not waiting would race its
+    predecessor."""
     from dsv4_moe import dispatch  # noqa: PLC0415
-    if device.type != "cuda" or not dispatch.PDL_ENABLED or interpreting():
+    code = _PDL_CODE.get(dispatch.PDL_MODE, 0)
+    if not code or device.type != "cuda" or interpreting():
         return {}
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return {"PDL": True, "launch_pdl": True} if _pdl_capable(index) else {}
+    return {"PDL": code, "launch_pdl": True} if _pdl_capable(index) else {}
 
 
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
-    """First statement of every kernel of the CUDA path: with PDL, wait for the previous
-    kernel on the stream (complete, memory visible), then let the next one launch; no-op
-    otherwise (and under the interpreter, where PDL is never set)."""
-    if PDL:
+    """First statement of every kernel of the CUDA path. PDL 0: nothing (plain launch, the
+    interpreter). 1 or 2: wait for the previous kernel on the stream (complete, memory
+    visible); 1 then lets the next kernel launch at once, 2 leaves that to CTA exit."""
+    if PDL > 0:
         gdc_wait()
-        gdc_launch_dependents()
+        if PDL == 1:
+            gdc_launch_dependents()
 
 
 @triton.jit

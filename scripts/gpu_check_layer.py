@@ -7,7 +7,7 @@ For the Flash and Pro-TP8 shapes:
   * fused == unfused, bitwise (torch.equal on bytes), for the whole layer
   * the layer against the CPU reference (same quantised weights), honest stats
   * CUDA-graph capture + replay == eager for decode sizes (no host sync inside)
-  * programmatic dependent launch on == off (dispatch.PDL_ENABLED), bitwise
+  * programmatic dependent launch (dispatch.PDL_MODE early / exit) == plain launches, bitwise
   * a real-format checkpoint written by write_checkpoint, loaded by load_moe_layer on
     the GPU, against the CPU reference (Flash shapes, one layer)
 Writes $OUT/gpu_check_layer.json and .txt; prints a table; exits 1 on any failure.
@@ -54,17 +54,22 @@ def check_layer(name, cfg, weights, rows, tokens, ref_tokens, graph_tokens, rout
         ok = _bytes_equal(fused, unfused)
         n = int((fused.view(torch.int16) != unfused.view(torch.int16)).sum())
         rows.append({"case": name, "check": "fused==unfused", "T": t, "ok": ok, "detail": f"{n} differ"})
-        # programmatic dependent launch off: the same kernels launched plainly, same bits
-        pdl, _ = dispatch.has_pdl(dev)
-        dispatch.PDL_ENABLED = False
+        # programmatic dependent launch in both modes against plain launches: same bits
+        saved = dispatch.PDL_MODE
+        outs = {}
         try:
-            with torch.no_grad():
-                plain = layer(x, ids)
+            for mode in ("off", "early", "exit"):
+                dispatch.PDL_MODE = mode
+                with torch.no_grad():
+                    outs[mode] = layer(x, ids)
         finally:
-            dispatch.PDL_ENABLED = True
-        n = int((fused.view(torch.int16) != plain.view(torch.int16)).sum())
-        rows.append({"case": name, "check": "pdl==plain launches", "T": t, "ok": _bytes_equal(fused, plain),
-                     "detail": f"{n} differ (PDL {'on' if pdl else 'unavailable'} in the fused run)"})
+            dispatch.PDL_MODE = saved
+        pdl, why = dispatch.has_pdl(dev)
+        for mode in ("early", "exit"):
+            n = int((outs[mode].view(torch.int16) != outs["off"].view(torch.int16)).sum())
+            rows.append({"case": name, "check": f"pdl {mode}==plain launches", "T": t,
+                         "ok": _bytes_equal(outs[mode], outs["off"]),
+                         "detail": f"{n} differ ({'PDL available' if pdl else why})"})
         if t in graph_tokens[:2]:  # the shared expert on a side stream vs in line: same bits
             layer.overlap_shared = False
             with torch.no_grad():

@@ -3,8 +3,9 @@
     OUT=./out python3 scripts/gpu_profile_layer.py [--tokens 1,4,16] [--presets flash,pro-tp8]
 
 Per preset and T: the CUDA-graph replay time of the layer with the shared expert in line
-and overlapped on a side stream, each with programmatic dependent launch (PDL) on and off
-(median of 50 replays of 10 forwards, the four variants interleaved), and a per-kernel
+and overlapped on a side stream, each with programmatic dependent launch (PDL) released
+early, at exit, and off (median of 50 replays of 10 forwards, the six variants
+interleaved), and a per-kernel
 table (torch.profiler over 20 eager forwards: calls, mean device time) so the kernel sum
 can be set against the graph time (the difference is launch gaps and serialisation).
 Writes $OUT/profile_layer.txt and .json.
@@ -92,27 +93,28 @@ def main():
             x = torch.randn(t, cfg.hidden_size, device="cuda", generator=g).bfloat16()
             ids = torch.randint(0, cfg.vocab_size, (t,), device="cuda", generator=g)
             graphs = {}
+            saved = dispatch.PDL_MODE
             for ov in (False, True):
-                for pdl in (True, False):
+                for mode in dispatch.PDL_MODES:
                     layer.overlap_shared = ov
-                    dispatch.PDL_ENABLED = pdl
-                    graphs[(ov, pdl)] = capture(layer, x, ids)
-            dispatch.PDL_ENABLED = True
+                    dispatch.PDL_MODE = mode
+                    graphs[(ov, mode)] = capture(layer, x, ids)
+            dispatch.PDL_MODE = saved
             res = graphs_us(graphs)
             del graphs
             layer.overlap_shared = False
             table = kernel_table(layer, x, ids)
             layer.overlap_shared = True
             ksum = sum(r[2] for r in table)
-            lines.append(f"== {name} T={t}: graph in line {res[(False, True)]:.1f} us (PDL off "
-                         f"{res[(False, False)]:.1f}), overlapped {res[(True, True)]:.1f} us (PDL off "
-                         f"{res[(True, False)]:.1f}); kernel sum (in line, eager) {ksum:.1f} us over "
+            def trio(ov):
+                return " / ".join(f"{res[(ov, m)]:.1f}" for m in dispatch.PDL_MODES)
+            lines.append(f"== {name} T={t}: graph us, PDL {' / '.join(dispatch.PDL_MODES)}: in line {trio(False)}, "
+                         f"overlapped {trio(True)}; kernel sum (in line, eager, PDL {saved}) {ksum:.1f} us over "
                          f"{sum(r[1] for r in table):.0f} launches")
             for k, c, us in table:
                 lines.append(f"   {us:8.2f} us  x{c:4.1f}  {k}")
-            rows.append(dict(preset=name, T=t, graph_inline_us=res[(False, True)], graph_overlap_us=res[(True, True)],
-                             graph_inline_no_pdl_us=res[(False, False)], graph_overlap_no_pdl_us=res[(True, False)],
-                             pdl=dispatch.has_pdl(layer.device)[1], kernel_sum_us=ksum, kernels=table))
+            rows.append(dict(preset=name, T=t, pdl=dispatch.has_pdl(layer.device)[1], kernel_sum_us=ksum, kernels=table,
+                             **{f"graph_{'overlap' if ov else 'inline'}_{m}_us": v for (ov, m), v in res.items()}))
             print("\n".join(lines[-len(table) - 1:]), flush=True)
     with open(os.path.join(out, "profile_layer.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")

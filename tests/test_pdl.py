@@ -38,7 +38,7 @@ def test_every_kernel_waits_first():
         args = [a.arg for a in node.args.args]
         assert "PDL" in args, f"{fname}:{node.name} has no PDL parameter"
         default = node.args.defaults[args.index("PDL") - (len(args) - len(node.args.defaults))]
-        assert ast.unparse(default) == "False", f"{fname}:{node.name}: PDL must default to False"
+        assert ast.unparse(default) == "0", f"{fname}:{node.name}: PDL must default to 0 (plain launch)"
         body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
         first = ast.unparse(body[0])
         assert first == "pdl_enter(PDL)", f"{fname}:{node.name}: first statement is {first!r}, not pdl_enter(PDL)"
@@ -64,9 +64,12 @@ def test_cpu_and_interpreter_never_get_pdl(monkeypatch):
     assert pdl_options(torch.device("cpu")) == {}
     ok, why = dispatch.has_pdl(torch.device("cpu"))
     assert not ok and "cpu" in why
-    monkeypatch.setattr(dispatch, "PDL_ENABLED", False)
+    monkeypatch.setattr(dispatch, "PDL_MODE", "off")
     ok, why = dispatch.has_pdl(torch.device("cuda", 0))
-    assert not ok and "DSV4_MOE_PDL=0" in why
+    assert not ok and "DSV4_MOE_PDL=off" in why
+    monkeypatch.setattr(dispatch, "PDL_MODE", "sometimes")
+    with pytest.raises(ValueError, match="PDL_MODE='sometimes'"):
+        dispatch.has_pdl(torch.device("cuda", 0))
 
 
 def test_explain_names_the_launch_mode():

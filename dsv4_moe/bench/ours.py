@@ -4,8 +4,10 @@
     layer paths   "default"    DeepseekV4MoE.forward as dispatch chooses (best available)
                   "unfused"    force_paths(swiglu_quant="unfused", finalize="unfused")
                   "reference"  force_paths(every stage="reference")
-                  "no_pdl"     "default" with programmatic dependent launch off (dispatch.PDL_ENABLED):
-                               the A/B of PDL (opt-in: --paths default,no_pdl)
+                  "no_pdl"     "default" with programmatic dependent launch off (dispatch.PDL_MODE="off")
+                  "pdl_early"  "default" with PDL successors released early (PDL_MODE="early")
+                  "pdl_exit"   "default" with PDL successors released at CTA exit (PDL_MODE="exit")
+                               (the last three opt-in: --paths default,no_pdl,pdl_early,pdl_exit)
     stages        router       dispatch "router" path on x
                   act_quant    dispatch "act_quant" path on x
                   shared       DeepseekV4MLP.forward(x) (the layer's shared_experts module type: its own
@@ -34,14 +36,15 @@ __all__ = ["LAYER_PATHS", "DEFAULT_LAYER_PATHS", "STAGES", "path_forces", "force
            "make_context", "single_rank_view", "plan_label", "StageSet", "stage_callables", "stage_reference",
            "fill_stage_inputs", "subset", "exact_output"]
 
-LAYER_PATHS = ("default", "unfused", "reference", "no_pdl")
+LAYER_PATHS = ("default", "unfused", "reference", "no_pdl", "pdl_early", "pdl_exit")
 DEFAULT_LAYER_PATHS = ("default", "unfused", "reference")
+_PDL_PATHS = {"no_pdl": "off", "pdl_early": "early", "pdl_exit": "exit"}  # path -> dispatch.PDL_MODE
 STAGES = ("router", "act_quant", "shared", "routed", "finalize")
 _ALL_STAGES = ("router", "act_quant", "fp8_gemm", "swiglu_quant", "routed_experts", "finalize")
 
 
 def path_forces(path: str) -> dict:
-    if path in ("default", "no_pdl"):
+    if path == "default" or path in _PDL_PATHS:
         return {}
     if path == "unfused":
         return {"swiglu_quant": "unfused", "finalize": "unfused"}
@@ -53,8 +56,8 @@ def path_forces(path: str) -> dict:
 def force_context(path: str) -> Callable[[], contextlib.AbstractContextManager]:
     """A factory of `dsv4_moe.force_paths(**path_forces(path))` contexts (nullcontext for default)."""
     forces = path_forces(path)
-    if path == "no_pdl":
-        return _pdl_off
+    if path in _PDL_PATHS:
+        return lambda: _pdl_mode(_PDL_PATHS[path])
     if not forces:
         return contextlib.nullcontext
     force_paths = _force_paths_fn()
@@ -62,13 +65,13 @@ def force_context(path: str) -> Callable[[], contextlib.AbstractContextManager]:
 
 
 @contextlib.contextmanager
-def _pdl_off():
+def _pdl_mode(mode: str):
     d = importlib.import_module("dsv4_moe.dispatch")
-    saved, d.PDL_ENABLED = d.PDL_ENABLED, False
+    saved, d.PDL_MODE = d.PDL_MODE, mode
     try:
         yield
     finally:
-        d.PDL_ENABLED = saved
+        d.PDL_MODE = saved
 
 
 def _force_paths_fn():
