@@ -26,7 +26,7 @@ import torch
 
 __all__ = [
     "DispatchContext", "Path", "STAGES", "select", "plan", "explain", "force_paths",
-    "has_cuda", "has_fp8_mma", "has_pdl", "has_triton", "is_gfx950", "PDL_MODE", "PDL_MODES",
+    "has_cuda", "has_fp8_mma", "has_pdl", "has_triton", "is_gfx950", "PDL_MODE", "PDL_MODES", "pdl_mode", "pdl_scope", "pdl_policy",
 ]
 
 
@@ -67,27 +67,65 @@ def has_fp8_mma(device: torch.device) -> tuple[bool, str]:
 # launched with the programmatic-serialisation attribute and waits (griddepcontrol.wait)
 # as its first instruction for the previous kernel on the stream to finish and flush, so
 # the next kernel's launch and scheduling overlap this one's tail; same bits by
-# construction. PDL_MODE says when a kernel lets its successor launch:
+# construction. The mode says when a kernel lets its successor launch:
 #   "early"  griddepcontrol.launch_dependents right after the wait (the successor's CTAs
 #            can become resident, idle, while this kernel's last wave runs)
 #   "exit"   at CTA exit (implicit): only the launch latency is hidden
 #   "off"    plain launches
-# `DSV4_MOE_PDL=early|exit|off` (1 = early, 0 = off) sets it; so does assigning PDL_MODE.
-_PDL_ENV = {"1": "early", "early": "early", "exit": "exit", "0": "off", "": "off", "off": "off"}
-PDL_MODE = _PDL_ENV.get(os.environ.get("DSV4_MOE_PDL", "exit").strip().lower(), "exit")
+#   "auto"   (default) the layer picks per forward (pdl_policy); kernels called on their
+#            own outside a layer forward use "early"
+# `DSV4_MOE_PDL=auto|early|exit|off` (1 = early, 0 = off) sets PDL_MODE; so does assigning it.
+_PDL_ENV = {"1": "early", "early": "early", "exit": "exit", "0": "off", "": "off", "off": "off", "auto": "auto"}
+PDL_MODE = _PDL_ENV.get(os.environ.get("DSV4_MOE_PDL", "auto").strip().lower(), "auto")
 PDL_MODES = ("early", "exit", "off")
+_PDL_SCOPE: contextvars.ContextVar = contextvars.ContextVar("dsv4_moe_pdl_scope", default="early")
+
+
+def pdl_mode() -> str:
+    """The PDL mode launches use now: PDL_MODE, or under "auto" the enclosing pdl_scope's."""
+    if PDL_MODE == "auto":
+        return _PDL_SCOPE.get()
+    if PDL_MODE not in PDL_MODES:
+        raise ValueError(f"dispatch.PDL_MODE={PDL_MODE!r}: expected 'auto' or one of {PDL_MODES}")
+    return PDL_MODE
+
+
+@contextlib.contextmanager
+def pdl_scope(mode: str):
+    """Launches inside use `mode` while PDL_MODE is "auto" (a layer's forward)."""
+    if mode not in PDL_MODES:
+        raise ValueError(f"pdl_scope(mode={mode!r}): expected one of {PDL_MODES}")
+    token = _PDL_SCOPE.set(mode)
+    try:
+        yield
+    finally:
+        _PDL_SCOPE.reset(token)
+
+
+def pdl_policy(num_tokens: int, shared_overlapped: bool) -> tuple[str, str]:
+    """(mode, reason) a layer forward launches with under PDL_MODE "auto"."""
+    # NOTE: H200, session 7 (docs/bench/2026-11-29/session7/profile_layer_pdl_modes_3bae5ab.txt,
+    # graph us early / exit / off): with the shared expert overlapped on a side stream,
+    # early release was slower than release at exit from T = 4 (Pro-TP8 T=4 115.4 / 105.1,
+    # T=64 574.3 / 533.4, T=256 847.3 / 809.4; Flash T=256 1608.9 / 1583.2): the routed
+    # kernels' successors sit resident and idle beside the side stream's kernels. At T = 1
+    # (Flash 82.2 / 86.9 / 98.0, Pro-TP8 49.6 / 52.8 / 58.7) and in line at every T (Flash
+    # T=64 1142.7 / 1149.0 / 1154.0) early was fastest.
+    if shared_overlapped and num_tokens > 1:
+        return "exit", "shared expert overlapped, T > 1: successors released at CTA exit"
+    return "early", ("T = 1" if shared_overlapped else "shared expert in line") + ": successors released early"
 
 
 def has_pdl(device: torch.device) -> tuple[bool, str]:
-    if PDL_MODE not in PDL_MODES:
-        raise ValueError(f"dispatch.PDL_MODE={PDL_MODE!r}: expected one of {PDL_MODES}")
-    if PDL_MODE == "off":
+    if pdl_mode() == "off":
         return False, "programmatic dependent launch off (DSV4_MOE_PDL=off / dispatch.PDL_MODE)"
     ok, why = has_cuda(device)
     if not ok:
         return ok, why
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False, "Triton interpreter (no griddepcontrol)"
+    if not torch.cuda.is_available():  # planning for a CUDA context on a CPU-only machine
+        return False, "CUDA not available in this process"
     cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
     if cap < (9, 0):
         return False, f"compute capability {cap[0]}.{cap[1]} has no programmatic dependent launch (needs >= 9.0)"
@@ -98,7 +136,8 @@ def has_pdl(device: torch.device) -> tuple[bool, str]:
         from triton.language.extra.cuda import gdc_wait  # noqa: F401, PLC0415
     except ImportError:
         return False, "this Triton has no griddepcontrol (triton.language.extra.cuda.gdc_wait)"
-    return True, f"programmatic dependent launch on sm_{cap[0]}{cap[1]}, successors released at {PDL_MODE!r}"
+    return True, (f"programmatic dependent launch on sm_{cap[0]}{cap[1]}"
+                  + (" (mode per forward: pdl_policy)" if PDL_MODE == "auto" else f" (mode {PDL_MODE!r})"))
 
 
 def is_gfx950(device: torch.device) -> tuple[bool, str]:

@@ -213,6 +213,12 @@ class DeepseekV4MoE(_NativeBuffers):
         t = x.shape[0]
         if t == 0:
             return torch.empty_like(x)
+        if dispatch.PDL_MODE != "auto" or x.device.type != "cuda":
+            return self._forward(x, input_ids, t)
+        with dispatch.pdl_scope(dispatch.pdl_policy(t, self._side_stream(x.device) is not None)[0]):
+            return self._forward(x, input_ids, t)
+
+    def _forward(self, x: torch.Tensor, input_ids: Optional[torch.Tensor], t: int) -> torch.Tensor:
         ctx = self.context(t)
         c = self.config
         topk_w, topk_ids = dispatch.select("router", ctx).impl(
@@ -281,6 +287,10 @@ class DeepseekV4MoE(_NativeBuffers):
                                       if self.overlap_shared and self.device.type == "cuda" else
                                       "in line" + ("" if self.overlap_shared else " (overlap_shared=False)")
                                       + ("" if self.device.type == "cuda" else f" (device {self.device.type})")))
+        if self.device.type == "cuda" and dispatch.has_pdl(self.device)[0]:
+            mode, why = (dispatch.pdl_policy(num_tokens, self.overlap_shared) if dispatch.PDL_MODE == "auto"
+                         else (dispatch.PDL_MODE, "dispatch.PDL_MODE"))
+            head += f"\nprogrammatic dependent launch: {mode} ({why})"
         return head + "\n" + dispatch.explain(self.context(num_tokens)) + self._gemm_plan(num_tokens)
 
     def _gemm_plan(self, num_tokens: int) -> str:

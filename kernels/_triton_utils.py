@@ -68,11 +68,11 @@ _PDL_CODE = {"early": 1, "exit": 2}
 
 def pdl_options(device: torch.device) -> dict:
     """Launch options for a kernel that starts with `pdl_enter(PDL)`: PDL (1 early, 2 exit:
-    dispatch.PDL_MODE) and Triton's launch_pdl=True together (dispatch.has_pdl), or nothing.
+    dispatch.pdl_mode()) and Triton's launch_pdl=True together (dispatch.has_pdl), or nothing.
     Always a pair: a kernel launched with the attribute but not waiting would race its
     predecessor."""
     from dsv4_moe import dispatch  # noqa: PLC0415
-    code = _PDL_CODE.get(dispatch.PDL_MODE, 0)
+    code = _PDL_CODE.get(dispatch.pdl_mode(), 0)
     if not code or device.type != "cuda" or interpreting():
         return {}
     index = device.index if device.index is not None else torch.cuda.current_device()

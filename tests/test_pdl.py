@@ -72,6 +72,23 @@ def test_cpu_and_interpreter_never_get_pdl(monkeypatch):
         dispatch.has_pdl(torch.device("cuda", 0))
 
 
+def test_auto_mode_scopes_and_policy(monkeypatch):
+    monkeypatch.setattr(dispatch, "PDL_MODE", "auto")
+    assert dispatch.pdl_mode() == "early"            # standalone kernels
+    with dispatch.pdl_scope("exit"):
+        assert dispatch.pdl_mode() == "exit"
+        monkeypatch.setattr(dispatch, "PDL_MODE", "off")  # an explicit mode wins over the scope
+        assert dispatch.pdl_mode() == "off"
+        monkeypatch.setattr(dispatch, "PDL_MODE", "auto")
+    assert dispatch.pdl_mode() == "early"
+    with pytest.raises(ValueError, match="pdl_scope"):
+        with dispatch.pdl_scope("auto"):
+            pass
+    assert dispatch.pdl_policy(1, True)[0] == "early"
+    assert dispatch.pdl_policy(4, True)[0] == "exit"
+    assert dispatch.pdl_policy(4096, False)[0] == "early"
+
+
 def test_explain_names_the_launch_mode():
     text = dispatch.explain(dispatch.DispatchContext(device=torch.device("cpu")))
     line = next(li for li in text.splitlines() if li.strip().startswith("launches"))
