@@ -155,6 +155,7 @@ def _fp8_gemv_kernel(
     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
     FIXUP: tl.constexpr = False,   # SPLIT: the tile's last program sums ws (kernels/split_k.py)
     NUM_KB: tl.constexpr = 0,      # FIXUP: K blocks to sum (unrolled, as in _splitk_sum_kernel)
+    KB_VEC: tl.constexpr = 0,      # SPLIT: the program's K blocks as one [BLOCK_N, KB_VEC, 128] load
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
 ):
     """Decode body (GEMV config): one activation row x BLOCK_N weight rows per program on
@@ -180,7 +181,28 @@ def _fp8_gemv_kernel(
         kb_lo = 0
         kb_hi = num_kb
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for kb in range(kb_lo, kb_hi):
+    if KB_VEC > 0:
+        # NOTE (session 7): the runtime-bound loop below is not software-pipelined by Triton
+        # (no cp.async in its PTX): each K block's loads wait for the previous block's sum.
+        # Here all of the program's blocks are loaded at once, then summed per block.
+        kbs = kb_lo + tl.arange(0, KB_VEC)
+        kb_ok = kbs < kb_hi
+        ka = kbs[:, None] * 128 + offs_k[None, :]
+        if EVEN_K:
+            kmask = kb_ok[:, None] & (offs_k < 128)[None, :]
+        else:
+            kmask = kb_ok[:, None] & (ka < K)
+        a2 = tl.load(a_ptr + m.to(tl.int64) * stride_am + ka, mask=kmask, other=0.0)
+        b3 = tl.load(b_ptr + bn[:, None, None] * stride_bn + ka[None, :, :], mask=kmask[None, :, :], other=0.0)
+        p2 = tl.sum(b3.to(tl.float32) * a2.to(tl.float32)[None, :, :], axis=2)
+        sb2 = tl.load(sb_ptr + (bn // 128)[:, None] * stride_sbn + kbs[None, :] * stride_sbk,
+                      mask=kb_ok[None, :], other=0)
+        if SB_E8M0:
+            sb2 = _e8m0_to_f32(sb2)
+        v2 = p2 * tl.load(sa_ptr_m + kbs * stride_sak, mask=kb_ok, other=0.0)[None, :] * sb2
+        tl.store(ws_ptr + (m.to(tl.int64) + kbs.to(tl.int64)[None, :] * M) * N + offs_n[:, None], v2,
+                 mask=n_ok[:, None] & kb_ok[None, :])
+    for kb in range(kb_lo, kb_hi if KB_VEC == 0 else kb_lo):
         if EVEN_K:
             a = tl.load(a_ptrs + kb * 128)
             b = tl.load(b_ptrs + kb * 128)
@@ -270,6 +292,10 @@ def launch_fp8_block_gemm(q_u8, sa, w_u8, sw, out, cfg: dict, interpreting: bool
     else:
         cnt = ws  # never dereferenced
     fix = dict(FIXUP=fixup, NUM_KB=num_kb if fixup else 0)
+    if cfg.get("KB_VEC", False) and cfg.get("GEMV", False):
+        if split_k == 1:
+            raise ValueError(f"config KB_VEC=True needs a split GEMV (SPLIT_K > 1), got SPLIT_K={cfg.get('SPLIT_K')}")
+        fix["KB_VEC"] = triton.next_power_of_2(kb_per)
     pdl = {} if interpreting else pdl_options(out.device)
     if cfg.get("GEMV", False):
         _fp8_gemv_kernel[(programs, split_k)](

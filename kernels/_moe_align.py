@@ -161,8 +161,12 @@ def _align_small_kernel(ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, 
         tl.store(row_weight_ptr + rows, tl.zeros([ROWS_PAD], tl.float32), mask=in_rows)
     b = tl.arange(0, MB_PAD)
     tl.store(block_expert_ptr + b, tl.full([MB_PAD], -1, tl.int32), mask=(b < max_blocks) & (b >= nvb))
+    # each route's expert offset gathered in registers (a one-hot sum over the experts), not
+    # re-read from global memory after the barrier (session 7: one L2 round trip fewer on
+    # the decode critical path); the barrier orders the sentinel fill above (any thread)
+    # before the route rows written below (the route's thread)
+    off = tl.sum(tl.where(key[:, None] == ecol[None, :], offs[None, :], 0), axis=1)
     tl.debug_barrier()
-    off = tl.load(expert_offsets_ptr + key, mask=local, other=0)
     dest = off + rank
     tl.store(sorted_ids_ptr + dest, i, mask=local)
     tl.store(row_expert_ptr + dest, key, mask=local)

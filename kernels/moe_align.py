@@ -137,12 +137,15 @@ def moe_align(topk_ids: torch.Tensor, num_local: int, first_expert: int, block_m
         # NOTE: one launch instead of three at decode (count 2.5 + scan 1.2 + scatter 2.3 us
         # at Flash T=1 in the session-4 H200 profile)
         tw = None if topk_weights is None else topk_weights.contiguous().view(-1)
+        # NOTE: the route tile is R rounded up to a power of two (8 at T = 1, top-6), not
+        # _BLOCK: the [routes x experts] one-hot count is 8 x 256 instead of 64 x 256
         _align_small_kernel[(1,)](ids, tw if tw is not None else ids, out.route_rows, out.expert_counts,
                                   out.expert_offsets, out.num_valid_blocks, out.sorted_route_ids,
                                   out.block_expert, out.row_expert,
                                   out.row_weight if tw is not None else out.row_expert,
                                   r, first_expert, num_local, max_blocks,
-                                  HAS_WEIGHTS=tw is not None, BLOCK=_BLOCK, BLOCK_M=block_m, E_PAD=e_pad,
+                                  HAS_WEIGHTS=tw is not None, BLOCK=max(2, triton.next_power_of_2(r)),
+                                  BLOCK_M=block_m, E_PAD=e_pad,
                                   ROWS_PAD=triton.next_power_of_2(max_rows),
                                   MB_PAD=triton.next_power_of_2(max_blocks), num_warps=4, **pdl)
         return out

@@ -71,6 +71,8 @@ def main():
                     help="the shared FP8 GEMMs at M = 1 and 4: split-K summed in the tile's last program "
                          "vs the separate phase-2 launch (the routed MXFP4 variant measured slower in "
                          "session 6 and was removed)")
+    ap.add_argument("--gemv", action="store_true",
+                    help="only the shared expert's M=1 FP8 GEMV: split-K x KB_VEC variants, weights rotated")
     ap.add_argument("--regs", action="store_true",
                     help="only the mma64 default and register / stage variants of it")
     ap.add_argument("--diag", action="store_true",
@@ -159,7 +161,7 @@ def main():
                 cands = [(base, "mma64")] + [(GemmConfig(**{**c, **kw}), "mma64") for kw in (
                     dict(maxnreg=128), dict(num_stages=2), dict(num_stages=3, maxnreg=128), dict(num_warps=8),
                     dict(num_stages=2, maxnreg=120))]
-            if args.fixup:  # session 6: only the FP8 GEMMs below (the routed fixup measured slower)
+            if args.fixup or args.gemv:  # only the FP8 GEMMs below
                 continue
             if args.diag:
                 cands = [(new_cfg, "mma64")] + [(GemmConfig(**{**new_cfg.__dict__, "diag": d}), "mma64") for d in (1, 2)]
@@ -197,6 +199,8 @@ def main():
                       f"{' <- default' if key in ((base_cfg, 'nk'), (new_cfg, 'mma64')) else ''}", flush=True)
     if args.fixup:
         _probe_fp8_fixup(rows)
+    if args.gemv:
+        _probe_fp8_gemv_vec(rows)
     with open(os.path.join(out_dir, "probe_swz.json"), "w") as f:
         json.dump(rows, f, indent=1)
 
@@ -232,6 +236,48 @@ def _probe_fp8_fixup(rows):
                              bitwise=same))
             print(f"{name:18s} M={m} split {cfg['SPLIT_K']:3d} {'GEMV' if cfg.get('GEMV') else 'tile'} "
                   f"fixup {res[True][1]:6.1f} us  two launches {res[False][1]:6.1f} us  bitwise {same}", flush=True)
+
+
+def _probe_fp8_gemv_vec(rows):
+    """Session 7: the M = 1 FP8 GEMV (split-K, in-kernel fixup) with each program's K blocks
+    loaded in one tile (KB_VEC) against the per-block loop, over splits; weights rotated
+    over 8 copies; each variant compared bitwise with the default config's output."""
+    from dsv4_moe.kernels.fp8_block_gemm import choose_config, fp8_block_gemm_nt
+    from dsv4_moe.testing import random_fp8_block_weight
+    g = torch.Generator(device=DEV).manual_seed(2)
+    for name, n, k in (("flash_up", 4096, 4096), ("flash_down", 4096, 2048), ("pro8_up", 768, 7168),
+                       ("pro8_down", 7168, 384), ("pro1_up", 6144, 7168), ("pro1_down", 7168, 3072)):
+        ws = [random_fp8_block_weight(n, k, generator=g) for _ in range(8)]
+        q, sa = act_quant(torch.randn(1, k, device=DEV).bfloat16())
+        base = choose_config(1, n, k)
+        kb = -(-k // 128)
+        cands = [("default", base, None), ("default+vec", {**base, "KB_VEC": True}, None)]
+        for per in (1, 2, 4):
+            sk = -(-kb // per)
+            if sk > 1:
+                cands.append((f"per{per}+vec", {**base, "KB_VEC": True}, sk))
+                cands.append((f"per{per}+vec bn32", {**base, "KB_VEC": True, "BLOCK_N": 32}, sk))
+                cands.append((f"per{per}+vec w4", {**base, "KB_VEC": True, "num_warps": 4}, sk))
+        ref_out = None
+        for tag, cfg, sk in cands:
+            outs = [torch.empty(1, n, dtype=torch.bfloat16, device=DEV) for _ in ws]
+
+            def fn(cfg=cfg, outs=outs, sk=sk):
+                for (w, sw), o in zip(ws, outs):
+                    fp8_block_gemm_nt(q, sa, w, sw, out=o, config=cfg, split_k=sk)
+            try:
+                us = graph_time(fn) / len(ws)
+            except Exception as ex:  # noqa: BLE001
+                print(f"{name:10s} {tag:18s} ERROR {type(ex).__name__}: {str(ex)[:200]}", flush=True)
+                rows.append(dict(shape=name, tag=tag, error=str(ex)[:300]))
+                continue
+            if ref_out is None:
+                ref_out = outs[0].clone()
+            same = bool(torch.equal(outs[0].view(torch.int16), ref_out.view(torch.int16)))
+            split = sk or base.get("SPLIT_K", 1)
+            rows.append(dict(shape=name, T=1, tag=tag, split=split, us=us, TBps=n * k / us / 1e6, bitwise_default=same))
+            print(f"{name:10s} {tag:18s} split {split:3d} {us:6.2f} us {n * k / us / 1e6:5.2f} TB/s "
+                  f"bitwise vs default {same}", flush=True)
 
 
 if __name__ == "__main__":

@@ -232,3 +232,23 @@ def test_tile_counters_buffer():
     assert tile_counters("cpu", 1) is b
     with pytest.raises(ValueError, match="n=-1"):
         tile_counters("cpu", -1)
+
+
+@pytest.mark.parametrize("m,n,k,split_k", [(1, 128, 1024, 4), (1, 200, 1300, 3), (2, 256, 2048, 5)])
+def test_gemv_kb_vec_equals_the_block_loop(m, n, k, split_k):
+    """KB_VEC (a program's K blocks loaded as one tile): the same partials and the same
+    ordered sum as the per-block loop, including a ragged last split (k=1300: 11 blocks,
+    the last one partial) and float32 weight scales; the fixup and two-launch sums agree."""
+    q, sa, w, sw = make_case(m, n, k, seed=3 * m + k)
+    args = (q.to(DEV), sa.to(DEV), w.to(DEV), sw.to(DEV))
+    cfg = dict(BLOCK_M=1, BLOCK_N=64, GROUP_M=1, num_warps=2, num_stages=4, GEMV=True)
+    loop = fp8_block_gemm_nt(*args, config=cfg, split_k=split_k).cpu()
+    vec = fp8_block_gemm_nt(*args, config={**cfg, "KB_VEC": True}, split_k=split_k).cpu()
+    two = fp8_block_gemm_nt(*args, config={**cfg, "KB_VEC": True, "SPLIT_FIXUP": False}, split_k=split_k).cpu()
+    assert torch.equal(loop.view(torch.int16), vec.view(torch.int16))
+    assert torch.equal(two.view(torch.int16), vec.view(torch.int16))
+    sw32 = args[3].view(torch.uint8).to(torch.int32).add(-127).float().exp2()
+    vec32 = fp8_block_gemm_nt(*args[:3], sw32, config={**cfg, "KB_VEC": True}, split_k=split_k).cpu()
+    assert torch.equal(vec32.view(torch.int16), vec.view(torch.int16))
+    with pytest.raises(ValueError, match="KB_VEC=True needs a split GEMV"):
+        fp8_block_gemm_nt(*args, config={**cfg, "KB_VEC": True}, split_k=1)
