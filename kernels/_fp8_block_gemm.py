@@ -292,9 +292,7 @@ def launch_fp8_block_gemm(q_u8, sa, w_u8, sw, out, cfg: dict, interpreting: bool
     else:
         cnt = ws  # never dereferenced
     fix = dict(FIXUP=fixup, NUM_KB=num_kb if fixup else 0)
-    if cfg.get("KB_VEC", False) and cfg.get("GEMV", False):
-        if split_k == 1:
-            raise ValueError(f"config KB_VEC=True needs a split GEMV (SPLIT_K > 1), got SPLIT_K={cfg.get('SPLIT_K')}")
+    if cfg.get("KB_VEC", False) and cfg.get("GEMV", False) and split_k > 1:  # unsplit: the block loop
         fix["KB_VEC"] = triton.next_power_of_2(kb_per)
     pdl = {} if interpreting else pdl_options(out.device)
     if cfg.get("GEMV", False):

@@ -42,8 +42,8 @@ _SPLIT_K_PROGRAMS_PER_SM = 4
 FAST_PREFILL_IMPRECISE = 128
 
 
-# M = 1 runs the CUDA-core GEMV body (GEMV=True) with BLOCK_N 64, 2 warps, split over K
-# to ~8 programs per SM. NOTE: measured on the H200 (scripts/gpu_probe_fp8_gemv.py,
+# M = 1 runs the CUDA-core GEMV body (GEMV=True) with BLOCK_N 64; when split (the rule
+# below at ~8 programs per SM says so) two K blocks per program (see choose_config). NOTE: measured on the H200 (scripts/gpu_probe_fp8_gemv.py,
 # docs/bench/2026-11-29/session2/probe_fp8_gemv.json, CUDA graphs): at M = 1 it beats the
 # 16-row mma.sync body on all six V4 shapes (Flash gate_up 9.6 -> 7.7 us, down 7.5 ->
 # 5.8, Pro-TP8 down 4.5 -> 4.0, Pro-TP1 gate_up 17.3 -> 15.5, down 12.5 -> 8.9; Pro-TP8
@@ -91,8 +91,18 @@ def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H200, fast_accu
     imp = FAST_PREFILL_IMPRECISE if fast_accum else 32
     if m == 1:
         tiles = -(-n // 64)
-        return dict(BLOCK_M=1, BLOCK_N=64, GROUP_M=1, num_warps=2, num_stages=4, IMPRECISE=32, GEMV=True,
-                    SPLIT_K=choose_split_k(m, n, k, tiles, num_sms, _GEMV_PROGRAMS_PER_SM))
+        split = choose_split_k(m, n, k, tiles, num_sms, _GEMV_PROGRAMS_PER_SM)
+        if split == 1:
+            return dict(BLOCK_M=1, BLOCK_N=64, GROUP_M=1, num_warps=2, num_stages=4, IMPRECISE=32, GEMV=True,
+                        SPLIT_K=1)
+        # NOTE (session 7): two K blocks per program, loaded as one tile (KB_VEC), 4 warps.
+        # H200, weights rotated over 8 copies, us default (~8 programs per SM, the block
+        # loop) -> this (docs/bench/2026-11-29/session7/probe_fp8_gemv_vec_80c262f.txt):
+        # Flash gate_up 8.59 -> 7.89, down 5.95 -> 5.46, Pro-TP8 gate_up 5.43 -> 4.76, Pro-TP1
+        # gate_up 16.94 -> 16.65, down 10.56 -> 10.19; bitwise the same outputs. Four blocks
+        # per program with 2 warps spilled (Pro-TP1 gate_up 29.7 us).
+        return dict(BLOCK_M=1, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, IMPRECISE=32, GEMV=True,
+                    SPLIT_K=-(-(-(-k // _BLOCK)) // 2), KB_VEC=True)
     if m <= 16:
         tiles = -(-n // 64)
         return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, IMPRECISE=32,
