@@ -127,3 +127,44 @@ def test_impl_guards():
     # the in-kernel scores need libdevice: refused on the CPU / under the interpreter
     with pytest.raises(ValueError, match="scores_impl='kernel' needs a CUDA tensor"):
         route_topk(x, w, bias, None, None, 2, SCALE, scores_impl="kernel")
+
+
+@pytest.mark.parametrize("t,e,k,hashed", [(1, 256, 6, False), (3, 16, 4, False), (4, 384, 6, False),
+                                          (2, 16, 4, True)])
+def test_fused_router_equals_two_launches(t, e, k, hashed):
+    """The decode router in one launch (logits GEMV tiles + the last program's top-k, read
+    back through L2) against the GEMV kernel followed by the top-k kernel: same logits, same
+    ids, same weights, bit for bit; the arrival counter is left at 0. Scores are applied
+    in-kernel only on the GPU (libdevice), so here both rank the raw logits."""
+    from dsv4_moe.kernels.router import _router_fused, _topk
+    from dsv4_moe.kernels.split_k import tile_counters
+    x, w, bias = _inputs(t, 512, e, 11 * t + e)
+    tab = ids_in = None
+    if hashed:
+        g = torch.Generator().manual_seed(t)
+        tab = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(50)])
+        ids_in = torch.randint(0, 50, (t,), generator=g)
+        bias = None
+    outs = []
+    for fused in (True, False):
+        ow = torch.full((t, k), -1.0)
+        oi = torch.full((t, k), -1, dtype=torch.int32)
+        if fused:
+            logits = _router_fused(x, w, bias, tab, ids_in, k, SCALE, False, ow, oi)
+        else:
+            logits = router_logits_gemv(x, w)
+            _topk(logits, bias, tab, ids_in, k, SCALE, False, ow, oi)
+        outs.append((logits, ow, oi))
+    (l1, w1, i1), (l2, w2, i2) = outs
+    assert torch.equal(l1.view(torch.int32), l2.view(torch.int32))
+    assert torch.equal(i1, i2) and torch.equal(w1.view(torch.int32), w2.view(torch.int32))
+    assert bool((i1 >= 0).all()) and torch.equal(i1, i1.sort(1).values)
+    assert int(tile_counters(x.device, 1)[0]) == 0
+
+
+def test_fuse_option_guards():
+    x, w, bias = _inputs(2, 64, 8, 0)
+    with pytest.raises(ValueError, match="fuse='on' needs"):
+        route_topk(x, w, bias, None, None, 2, SCALE, fuse="on")   # CPU: no in-kernel scores
+    with pytest.raises(ValueError, match="fuse='maybe'"):
+        route_topk(x, w, bias, None, None, 2, SCALE, fuse="maybe")
