@@ -108,16 +108,8 @@ def check_ids():
             emit(check="ids_vs_reference", shape=name, T=t, logits="gemv" if t <= GEMV_MAX_T else "mm",
                  gemv_logit_rel=rel_g, mm_logit_rel=rel_m, id_mismatch_tokens=int(mism.sum()),
                  off_tie=int((mism & ~near_tie).sum()), w_rel=wrel, ok=int((mism & ~near_tie).sum()) == 0 and wrel < 1e-5)
-            if t <= GEMV_MAX_T:  # the one-launch router (session 7) against its two launches: same bits
-                tw2, ids2 = route_topk(x, w, bias, None, None, 6, 1.5, fuse="off")
-                emit(check="fused_vs_two_launches", shape=name, T=t,
-                     ok=torch.equal(ids, ids2) and torch.equal(tw.view(torch.int32), tw2.view(torch.int32)))
             ids_in = torch.randint(0, 1000, (t,), device=DEV)
             hw, hids = route_topk(x, w, None, tab, ids_in, 6, 1.5)
-            if t <= GEMV_MAX_T:
-                hw2, hids2 = route_topk(x, w, None, tab, ids_in, 6, 1.5, fuse="off")
-                emit(check="hash_fused_vs_two_launches", shape=name, T=t,
-                     ok=torch.equal(hids, hids2) and torch.equal(hw.view(torch.int32), hw2.view(torch.int32)))
             rhw, rhids = ref.route(x.cpu(), w.cpu(), None, tab.cpu(), ids_in.cpu(), 6, 1.5)
             emit(check="hash_vs_reference", shape=name, T=t, ids_equal=torch.equal(hids.cpu().long(), rhids),
                  w_rel=float(((hw.cpu() - rhw).abs() / rhw).max()))
@@ -181,7 +173,6 @@ def time_router(budget_s):
                 "s4 mm+torch": dict(logits_impl="mm", scores_impl="torch"),
                 "mm+kernel": dict(logits_impl="mm", scores_impl="kernel"),
                 "gemv+kernel": dict(logits_impl="gemv", scores_impl="kernel"),
-                "gemv+kernel, 2 launches": dict(logits_impl="gemv", scores_impl="kernel", fuse="off"),
                 "auto": {},
             }
             res = {}
