@@ -74,8 +74,7 @@ def router_triton_supported(ctx: DispatchContext):
               else "logits by cuBLAS (fp32 out)" if gpu else "logits by torch matmul")
     scores = ("sqrt(softplus) in the top-k kernel (libdevice, bitwise torch's)" if gpu
               else "sqrt(softplus) by torch (no libdevice off the GPU)")
-    fused = "; logits and top-k in one launch" if gpu and ctx.num_tokens <= gemv_max else ""
-    return True, f"{why}: {logits}; {scores}{fused}"
+    return True, f"{why}: {logits}; {scores}"
 
 
 def router_triton(x, router, input_ids, top_k, scale):

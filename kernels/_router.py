@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._triton_utils import pdl_enter, split_k_arrive, split_k_reset
+from ._triton_utils import pdl_enter
 
 
 @triton.jit
@@ -31,28 +31,6 @@ def _sqrt_softplus(logit):
     scripts/gpu_check_router.py --parts scores."""
     sp = tl.where(logit > 20.0, logit, libdevice.log1p(libdevice.exp(logit)))
     return tl.sqrt_rn(sp)
-
-
-@triton.jit
-def _logits_tile(x_ptr, w_ptr, out_ptr, T, E, stride_x, stride_w, stride_o, pid_e, pid_t,
-                 H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                 NUM_STAGES: tl.constexpr):
-    """logits[t, e] for the program's BLOCK_T tokens x BLOCK_E experts (see _router_logits_kernel)."""
-    tt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    ee = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    hh = tl.arange(0, BLOCK_H)
-    t_ok = tt < T
-    e_ok = ee < E
-    x_ptrs = x_ptr + tl.where(t_ok, tt, 0).to(tl.int64)[:, None] * stride_x + hh[None, :]
-    w_ptrs = w_ptr + tl.where(e_ok, ee, 0).to(tl.int64)[:, None] * stride_w + hh[None, :]
-    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    for h0 in tl.range(0, H, BLOCK_H, num_stages=NUM_STAGES):
-        h_ok = (h0 + hh) < H
-        x = tl.load(x_ptrs + h0, mask=h_ok[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs + h0, mask=h_ok[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    o_ptrs = out_ptr + tt.to(tl.int64)[:, None] * stride_o + ee[None, :]
-    tl.store(o_ptrs, acc, mask=t_ok[:, None] & e_ok[None, :])
 
 
 @triton.jit
@@ -72,37 +50,23 @@ def _router_logits_kernel(
     the gate weight (E x H) is spread over ~E / BLOCK_E programs that each stream
     BLOCK_E rows once, where cuBLAS's split-K GEMV needs a second (reduce) launch."""
     pdl_enter(PDL)
-    _logits_tile(x_ptr, w_ptr, out_ptr, T, E, stride_x, stride_w, stride_o, tl.program_id(0), tl.program_id(1),
-                 H, BLOCK_T, BLOCK_E, BLOCK_H, NUM_STAGES)
-
-
-@triton.jit
-def _router_fused_kernel(
-    x_ptr, w_ptr, logits_ptr,  # as _router_logits_kernel (logits: an fp32 [T, E] workspace)
-    bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out_ids_ptr, cnt_ptr,
-    T, E, stride_x, stride_w, stride_o, stride_tab,
-    scale,
-    H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-    MAX_T: tl.constexpr,       # T <= MAX_T (the decode GEMV's token limit)
-    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HASH: tl.constexpr, APPLY_SCORES: tl.constexpr,
-    PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
-):
-    """The decode router in one launch: the logits GEMV tiles, then the program that stores
-    the last tile (split_k_arrive: release/acquire after a CTA barrier) runs the top-k of
-    every token on the logits read back through L2, and resets the counter. Same helpers,
-    same bits as _router_logits_kernel followed by _route_topk_kernel."""
-    pdl_enter(PDL)
-    _logits_tile(x_ptr, w_ptr, logits_ptr, T, E, stride_x, stride_w, stride_o, tl.program_id(0), tl.program_id(1),
-                 H, BLOCK_T, BLOCK_E, BLOCK_H, NUM_STAGES)
-    if split_k_arrive(cnt_ptr, tl.num_programs(0) * tl.num_programs(1)):
-        for i in tl.static_range(MAX_T):
-            if i < T:
-                _topk_token(tl.full([], i, tl.int64), logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out_ids_ptr,
-                            E, stride_o, stride_tab, scale, TOP_K, K_PAD, E_PAD, HAS_BIAS, HASH, APPLY_SCORES,
-                            True)
-        split_k_reset(cnt_ptr)
+    pid_e = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    tt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    ee = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    hh = tl.arange(0, BLOCK_H)
+    t_ok = tt < T
+    e_ok = ee < E
+    x_ptrs = x_ptr + tl.where(t_ok, tt, 0).to(tl.int64)[:, None] * stride_x + hh[None, :]
+    w_ptrs = w_ptr + tl.where(e_ok, ee, 0).to(tl.int64)[:, None] * stride_w + hh[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for h0 in tl.range(0, H, BLOCK_H, num_stages=NUM_STAGES):
+        h_ok = (h0 + hh) < H
+        x = tl.load(x_ptrs + h0, mask=h_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs + h0, mask=h_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    o_ptrs = out_ptr + tt.to(tl.int64)[:, None] * stride_o + ee[None, :]
+    tl.store(o_ptrs, acc, mask=t_ok[:, None] & e_ok[None, :])
 
 
 @triton.jit
@@ -121,24 +85,10 @@ def _route_topk_kernel(
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
 ):
     pdl_enter(PDL)
-    _topk_token(tl.program_id(0).to(tl.int64), scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr,
-                out_ids_ptr, E, stride_s, stride_tab, scale, TOP_K, K_PAD, E_PAD, HAS_BIAS, HASH, APPLY_SCORES,
-                False)
-
-
-@triton.jit
-def _topk_token(t, scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out_ids_ptr,
-                E, stride_s, stride_tab, scale,
-                TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                HAS_BIAS: tl.constexpr, HASH: tl.constexpr, APPLY_SCORES: tl.constexpr, LOAD_CG: tl.constexpr):
-    """Token t's top-k (see the module docstring): ids sorted ascending, renormalised weights."""
-    t = t.to(tl.int64)
+    t = tl.program_id(0).to(tl.int64)
     col = tl.arange(0, E_PAD)
     in_range = col < E
-    if LOAD_CG:  # written by other programs of this launch: read through L2
-        scores = tl.load(scores_ptr + t * stride_s + col, mask=in_range, other=0.0, cache_modifier=".cg")
-    else:
-        scores = tl.load(scores_ptr + t * stride_s + col, mask=in_range, other=0.0)
+    scores = tl.load(scores_ptr + t * stride_s + col, mask=in_range, other=0.0)
     if APPLY_SCORES:
         scores = _sqrt_softplus(scores)
     kk = tl.arange(0, K_PAD)

@@ -113,13 +113,11 @@ def router_logits_gemv(x: torch.Tensor, weight: torch.Tensor,
 def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                tid2eid: torch.Tensor | None, input_ids: torch.Tensor | None,
                top_k: int, routed_scaling_factor: float, *, logits_impl: str = "auto",
-               scores_impl: str = "auto", fuse: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+               scores_impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Route T tokens to top_k of E experts; see the module docstring for layouts.
 
     logits_impl: "auto" | "gemv" (Triton GEMV) | "mm" (cuBLAS / torch); scores_impl:
-    "auto" | "kernel" (in the top-k kernel, GPU only) | "torch"; fuse: "auto" (one launch
-    when the logits are the GEMV's and the scores in-kernel) | "on" (that, or an error) |
-    "off" (two launches). Every choice gives the same bits."""
+    "auto" | "kernel" (in the top-k kernel, GPU only) | "torch"."""
     from ._triton_utils import interpreting  # noqa: PLC0415
 
     _check(logits_impl in _LOGITS_IMPLS, f"logits_impl={logits_impl!r}: expected one of {_LOGITS_IMPLS}")
@@ -160,81 +158,28 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if t == 0:
         return out_w, out_ids
     use_gemv = logits_impl == "gemv" or (logits_impl == "auto" and x.is_cuda and t <= GEMV_MAX_T)
-    apply_scores = scores_impl == "kernel" or (scores_impl == "auto" and on_gpu)
-    _check(fuse in ("auto", "on", "off"), f"fuse={fuse!r}: expected 'auto', 'on' or 'off'")
-    can_fuse = use_gemv and apply_scores and t <= GEMV_MAX_T
-    _check(fuse != "on" or can_fuse,
-           f"fuse='on' needs the GEMV logits and in-kernel scores at T <= {GEMV_MAX_T}; got T={t}, "
-           f"GEMV logits={use_gemv}, in-kernel scores={apply_scores}")
-    topk_args = (bias, tid2eid if hashed else None, input_ids if hashed else None, top_k, routed_scaling_factor,
-                 apply_scores, out_w, out_ids)
-    if can_fuse and fuse != "off":
-        # NOTE (session 7): one launch at decode; the separate top-k launch cost ~3.7 us of
-        # the Flash T=1 critical path (H200 profile)
-        _router_fused(x, weight, *topk_args)
-        return out_w, out_ids
     logits = router_logits_gemv(x, weight) if use_gemv else router_logits(x, weight)
+    apply_scores = scores_impl == "kernel" or (scores_impl == "auto" and on_gpu)
     scores = logits if apply_scores else torch.sqrt(torch.nn.functional.softplus(logits))
-    _topk(scores, *topk_args)
-    return out_w, out_ids
+    import triton  # noqa: PLC0415  (lazy: importing dsv4_moe.kernels never needs triton)
 
-
-_TOPK_OPTS = dict(
-    # NOTE: libdevice without flush-to-zero, as nvcc builds torch: with Triton's default
-    # (ftz) the scores of 2,180,453 fp32 logits in [-103.97, -87.34] (torch's softplus
-    # is subnormal there) came out 0 instead of torch's value (exhaustive H200 check)
-    enable_reflect_ftz=False,
-)
-
-
-def _topk_consts(e: int, top_k: int, bias, tid2eid, apply_scores: bool) -> dict:
-    import triton  # noqa: PLC0415
-    return dict(TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(e),
-                HAS_BIAS=bias is not None, HASH=tid2eid is not None, APPLY_SCORES=apply_scores)
-
-
-def _topk(scores, bias, tid2eid, input_ids, top_k, scale, apply_scores, out_w, out_ids) -> None:
-    """The top-k kernel on [T, E] scores (or logits when apply_scores)."""
     from ._router import _route_topk_kernel
-    from ._triton_utils import interpreting, pdl_options
-    t, e = scores.shape
+    from ._triton_utils import pdl_options
     dummy = scores
     _route_topk_kernel[(t,)](
         scores, bias if bias is not None else dummy,
-        tid2eid.contiguous() if tid2eid is not None else dummy,
-        input_ids.contiguous() if tid2eid is not None else dummy,
+        tid2eid.contiguous() if hashed else dummy,
+        input_ids.contiguous() if hashed else dummy,
         out_w, out_ids,
-        e, scores.stride(0), tid2eid.shape[1] if tid2eid is not None else 0,
-        float(scale), **_topk_consts(e, top_k, bias, tid2eid, apply_scores),
-        num_warps=4 if e > 256 else 2, **({} if interpreting() else _TOPK_OPTS), **pdl_options(scores.device))
-
-
-def _router_fused(x, weight, bias, tid2eid, input_ids, top_k, scale, apply_scores, out_w, out_ids,
-                  blocks=None) -> torch.Tensor:
-    """Logits GEMV + top-k in one launch (`_router_fused_kernel`, T <= GEMV_MAX_T): the
-    program storing the last logits tile runs every token's top-k. Returns the fp32 logits
-    workspace (for tests); out_w / out_ids are filled."""
-    import triton  # noqa: PLC0415
-
-    from ._router import _router_fused_kernel
-    from ._triton_utils import interpreting, pdl_options
-    from .split_k import tile_counters
-    t, h = x.shape
-    e = weight.shape[0]
-    _check(t <= GEMV_MAX_T, f"_router_fused: T={t} exceeds GEMV_MAX_T={GEMV_MAX_T}")
-    bt, be, bh, warps = blocks or gemv_blocks(t)
-    x = x.contiguous()
-    weight = weight.contiguous()
-    logits = torch.empty((t, e), dtype=torch.float32, device=x.device)
-    dummy = logits
-    _router_fused_kernel[(triton.cdiv(e, be), triton.cdiv(t, bt))](
-        x, weight, logits,
-        bias if bias is not None else dummy,
-        tid2eid.contiguous() if tid2eid is not None else dummy,
-        input_ids.contiguous() if tid2eid is not None else dummy,
-        out_w, out_ids, tile_counters(x.device, 1),
-        t, e, x.stride(0), weight.stride(0), logits.stride(0), tid2eid.shape[1] if tid2eid is not None else 0,
-        float(scale), H=h, BLOCK_T=bt, BLOCK_E=be, BLOCK_H=bh, NUM_STAGES=3, MAX_T=GEMV_MAX_T,
-        **_topk_consts(e, top_k, bias, tid2eid, apply_scores),
-        num_warps=warps, **({} if interpreting() else _TOPK_OPTS), **pdl_options(x.device))
-    return logits
+        e, scores.stride(0), tid2eid.shape[1] if hashed else 0,
+        float(routed_scaling_factor),
+        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(e),
+        HAS_BIAS=bias is not None, HASH=hashed, APPLY_SCORES=apply_scores,
+        num_warps=4 if e > 256 else 2,
+        # NOTE: libdevice without flush-to-zero, as nvcc builds torch: with Triton's default
+        # (ftz) the scores of 2,180,453 fp32 logits in [-103.97, -87.34] (torch's softplus
+        # is subnormal there) came out 0 instead of torch's value (exhaustive H200 check)
+        enable_reflect_ftz=False,
+        **pdl_options(x.device),
+    )
+    return out_w, out_ids
