@@ -202,23 +202,24 @@ def _fp8_gemv_kernel(
         v2 = p2 * tl.load(sa_ptr_m + kbs * stride_sak, mask=kb_ok, other=0.0)[None, :] * sb2
         tl.store(ws_ptr + (m.to(tl.int64) + kbs.to(tl.int64)[None, :] * M) * N + offs_n[:, None], v2,
                  mask=n_ok[:, None] & kb_ok[None, :])
-    for kb in range(kb_lo, kb_hi if KB_VEC == 0 else kb_lo):
-        if EVEN_K:
-            a = tl.load(a_ptrs + kb * 128)
-            b = tl.load(b_ptrs + kb * 128)
-        else:
-            k_left = K - kb * 128
-            a = tl.load(a_ptrs + kb * 128, mask=offs_k < k_left, other=0.0)
-            b = tl.load(b_ptrs + kb * 128, mask=offs_k[None, :] < k_left, other=0.0)
-        p = tl.sum(b.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)
-        sb = tl.load(sb_ptrs + kb * stride_sbk)
-        if SB_E8M0:
-            sb = _e8m0_to_f32(sb)
-        v = p * tl.load(sa_ptr_m + kb * stride_sak) * sb
-        if SPLIT:
-            tl.store(ws_ptr + (m.to(tl.int64) + kb * M) * N + offs_n, v, mask=n_ok)
-        else:
-            acc = acc + v
+    else:
+        for kb in range(kb_lo, kb_hi):
+            if EVEN_K:
+                a = tl.load(a_ptrs + kb * 128)
+                b = tl.load(b_ptrs + kb * 128)
+            else:
+                k_left = K - kb * 128
+                a = tl.load(a_ptrs + kb * 128, mask=offs_k < k_left, other=0.0)
+                b = tl.load(b_ptrs + kb * 128, mask=offs_k[None, :] < k_left, other=0.0)
+            p = tl.sum(b.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)
+            sb = tl.load(sb_ptrs + kb * stride_sbk)
+            if SB_E8M0:
+                sb = _e8m0_to_f32(sb)
+            v = p * tl.load(sa_ptr_m + kb * stride_sak) * sb
+            if SPLIT:
+                tl.store(ws_ptr + (m.to(tl.int64) + kb * M) * N + offs_n, v, mask=n_ok)
+            else:
+                acc = acc + v
     if not SPLIT:
         c = round_to_bf16(acc, SOFTWARE).to(tl.bfloat16)
         tl.store(c_ptr + m.to(tl.int64) * stride_cm + offs_n, c, mask=n_ok)
