@@ -26,7 +26,8 @@ import torch
 
 __all__ = [
     "DispatchContext", "Path", "STAGES", "select", "plan", "explain", "force_paths",
-    "has_cuda", "has_fp8_mma", "has_pdl", "has_triton", "is_gfx950", "PDL_MODE", "PDL_MODES", "pdl_mode", "pdl_scope", "pdl_policy",
+    "has_cuda", "has_fp8_mma", "has_pdl", "has_triton", "is_gfx950",
+    "PDL_MODE", "PDL_MODES", "pdl_mode", "pdl_scope", "pdl_policy",
 ]
 
 
@@ -76,7 +77,8 @@ def has_fp8_mma(device: torch.device) -> tuple[bool, str]:
 #            own outside a layer forward use "early"
 # `DSV4_MOE_PDL=auto|early|exit|off` (1 = early, 0 = off) sets PDL_MODE; so does assigning it.
 _PDL_ENV = {"1": "early", "early": "early", "exit": "exit", "0": "off", "": "off", "off": "off", "auto": "auto"}
-PDL_MODE = _PDL_ENV.get(os.environ.get("DSV4_MOE_PDL", "auto").strip().lower(), "auto")
+_PDL_RAW = os.environ.get("DSV4_MOE_PDL", "auto").strip().lower()
+PDL_MODE = _PDL_ENV.get(_PDL_RAW, _PDL_RAW)  # an unknown value is kept and rejected by pdl_mode()
 PDL_MODES = ("early", "exit", "off")
 _PDL_SCOPE: contextvars.ContextVar = contextvars.ContextVar("dsv4_moe_pdl_scope", default="early")
 
@@ -86,7 +88,8 @@ def pdl_mode() -> str:
     if PDL_MODE == "auto":
         return _PDL_SCOPE.get()
     if PDL_MODE not in PDL_MODES:
-        raise ValueError(f"dispatch.PDL_MODE={PDL_MODE!r}: expected 'auto' or one of {PDL_MODES}")
+        raise ValueError(f"dispatch.PDL_MODE={PDL_MODE!r} (env DSV4_MOE_PDL={os.environ.get('DSV4_MOE_PDL')!r}): "
+                         f"expected 'auto' or one of {PDL_MODES} (or 1 / 0)")
     return PDL_MODE
 
 

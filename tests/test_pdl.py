@@ -68,7 +68,7 @@ def test_cpu_and_interpreter_never_get_pdl(monkeypatch):
     ok, why = dispatch.has_pdl(torch.device("cuda", 0))
     assert not ok and "DSV4_MOE_PDL=off" in why
     monkeypatch.setattr(dispatch, "PDL_MODE", "sometimes")
-    with pytest.raises(ValueError, match="PDL_MODE='sometimes'"):
+    with pytest.raises(ValueError, match="PDL_MODE='sometimes'.*DSV4_MOE_PDL"):
         dispatch.has_pdl(torch.device("cuda", 0))
 
 
@@ -100,3 +100,13 @@ def test_cuda_options_follow_the_capability():
     dev = torch.device("cuda", torch.cuda.current_device())
     ok, _ = dispatch.has_pdl(dev)
     assert pdl_options(dev) == ({"PDL": True, "launch_pdl": True} if ok else {})
+
+
+def test_unknown_env_value_is_an_error_not_a_default():
+    import subprocess
+    import sys
+    code = ("import torch; from dsv4_moe import dispatch; "
+            "dispatch.has_pdl(torch.device('cuda', 0))")
+    r = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, "DSV4_MOE_PDL": "yes"},
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "DSV4_MOE_PDL='yes'" in r.stderr, r.stderr[-500:]
