@@ -11,12 +11,15 @@ Sections (each guarded: an exception becomes an "error" row, the script goes on)
   gemm      Triton fp8_block_gemm_nt (default tiles, and Triton's default imprecise fp8
             accumulation), torch blockwise scaled_mm (every weight-scale layout), deep_gemm
             (if importable) vs the reference fp8_gemm (fp64 in-block sums, on the GPU)
-  t_swiglu  timing fused vs unfused (CUDA graphs, rotated inputs), GB/s and % of copy
+  t_swiglu  timing fused vs unfused (CUDA graphs, rotated inputs), GB/s and % of copy, and a
+            device copy of the same bytes timed the same way (the size-matched ceiling);
+            with "sweep" also listed, the persistent grid's variants at >= 1M elements
   t_gemm    timing Triton vs scaled_mm at the shared-expert shapes, TB/s of weights, TFLOP/s;
             then ("t_splitk" rows) exact split-K vs single pass with the same tiles at
             M in {1, 4, 16, 64}: both timed, and split-K == single pass bitwise ("ok")
   sweep     Triton GEMM tile configs at M=1 (single pass and split-K) and M=4096 (incl.
-            IMPRECISE=128, the fast_accum mode) per shape (pick defaults from it)
+            IMPRECISE=128, the fast_accum mode) per shape (pick defaults from it); the
+            SwiGLU-quant persistent variants inside t_swiglu
 
 GEMM only (what the lead runs for the GEMM kernels, ~200 s):
     OUT=./out python scripts/gpu_check_shared.py --parts hw,gemm,t_gemm,sweep --budget 200
@@ -402,7 +405,14 @@ def part_swiglu_timing(copy_tbps):
                 row[f"us_{name}"] = us
                 row[f"GBps_{name}"] = by / us / 1e3
                 row[f"pct_copy_{name}"] = 100 * by / us / 1e6 / copy_tbps
-            if m * i >= PERSISTENT_MIN_ELEMENTS:  # more persistent programs per SM (ncu: 23 % occupancy at 4)
+            # a device copy moving the same bytes (by / 2 read, by / 2 written), timed the same
+            # way: the size-matched ceiling (launch and ramp included) next to the big-copy rate
+            srcs = [torch.empty(by // 2, dtype=torch.uint8, device=DEV) for _ in xs]
+            dsts = [torch.empty_like(t) for t in srcs]
+            row["us_copy_same_bytes"] = bench([lambda a=a, b=b: b.copy_(a) for a, b in zip(srcs, dsts)])
+            row["pct_same_bytes_copy_fused"] = 100 * row["us_copy_same_bytes"] / row["us_fused"]
+            del srcs, dsts
+            if m * i >= PERSISTENT_MIN_ELEMENTS and "sweep" in ARGS.parts.split(","):  # more persistent programs per SM (ncu: 23 % occupancy at 4)
                 from dsv4_moe.kernels import _swiglu_quant as _sq
                 names = ("PERSISTENT_PROGRAMS_PER_SM", "PERSISTENT_BLOCK_M", "PERSISTENT_NUM_WARPS",
                          "PERSISTENT_PREFETCH", "PERSISTENT_MAXNREG")
@@ -525,12 +535,14 @@ def summary():
         if r["part"] == "gemm" and "frac_diff" in r and r["M"] in (1, 4096):
             lines.append(f"{r['shape']:18s} {r['M']:5d} {r['path']:40s} {100 * r['frac_diff']:7.3f} {r['max_ulp']:6d}")
     lines.append(f"{'I':>5s} {'M':>5s} {'fused us':>9s} {'group':>7s} {'persist':>7s} {'unfused':>8s} "
-                 f"{'GB/s':>7s} {'%copy':>6s} {'x':>5s}")
+                 f"{'GB/s':>7s} {'%copy':>6s} {'x':>5s} {'copy same B us':>14s} {'%of it':>6s}")
     for r in ROWS:
         if r["part"] == "t_swiglu" and "us_fused" in r:
             lines.append(f"{r['I']:5d} {r['M']:5d} {r['us_fused']:9.2f} {r['us_group']:7.2f} "
                          f"{r['us_persistent']:7.2f} {r['us_unfused']:8.2f} {r['GBps_fused']:7.0f} "
-                         f"{r['pct_copy_fused']:6.1f} {r['speedup_fused']:5.2f}")
+                         f"{r['pct_copy_fused']:6.1f} {r['speedup_fused']:5.2f} "
+                         f"{r.get('us_copy_same_bytes', float('nan')):14.2f} "
+                         f"{r.get('pct_same_bytes_copy_fused', float('nan')):6.1f}")
     lines.append(f"{'gemm shape':18s} {'M':>5s} {'triton us':>9s} {'TB/s':>6s} {'TF/s':>6s} "
                  f"{'scaled_mm us':>12s} {'TB/s':>6s} {'TF/s':>6s} {'fast-acc us':>11s}")
     for r in ROWS:
