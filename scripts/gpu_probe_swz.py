@@ -78,6 +78,9 @@ def main():
     ap.add_argument("--diag", action="store_true",
                     help="only the mma64 default and its DIAG twins (1: no dequantisation, 2: no MMA; "
                          "wrong values) to split its time into load, conversion and MMA")
+    ap.add_argument("--cfgs", default="",
+                    help="only the nk / mma64 defaults and these configs: comma-separated "
+                         "kind:block_m:block_n:warps:stages[:bf16A][:r<maxnreg>][:nk], e.g. swap:128:128:8:3:bf16A")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", "./out")
     os.makedirs(out_dir, exist_ok=True)
@@ -161,6 +164,15 @@ def main():
                 cands = [(base, "mma64")] + [(GemmConfig(**{**c, **kw}), "mma64") for kw in (
                     dict(maxnreg=128), dict(num_stages=2), dict(num_stages=3, maxnreg=128), dict(num_warps=8),
                     dict(num_stages=2, maxnreg=120))]
+            if args.cfgs:
+                cands = [(base_cfg, "nk"), (new_cfg, "mma64")]
+                for spec in args.cfgs.split(","):
+                    f = spec.split(":")
+                    extra = f[5:]
+                    cands.append((GemmConfig(int(f[1]), int(f[2]), int(f[3]), int(f[4]), kind=f[0], asm=True,
+                                             a_bf16="bf16A" in extra and gather,
+                                             maxnreg=next((int(x[1:]) for x in extra if x.startswith("r")), None)),
+                                  "nk" if "nk" in extra else "mma64"))
             if args.fixup or args.gemv:  # only the FP8 GEMMs below
                 continue
             if args.diag:

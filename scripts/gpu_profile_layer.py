@@ -87,7 +87,19 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,4,16")
     ap.add_argument("--presets", default="flash,pro-tp8")
+    ap.add_argument("--ab", default="",
+                    help="module.ATTR=v1,v2,...: also time the default forward (PDL auto, shared expert "
+                         "overlapped) with the module constant set to each value, interleaved with the other "
+                         "graphs (e.g. dsv4_moe.kernels._swiglu_quant.FILTERED_GROUPS_PER_PROGRAM=1,4,16)")
     args = ap.parse_args()
+    ab_mod = ab_attr = None
+    ab_vals = []
+    if args.ab:
+        import importlib
+        target, vals = args.ab.split("=", 1)
+        mod_name, ab_attr = target.rsplit(".", 1)
+        ab_mod = importlib.import_module(mod_name)
+        ab_vals = [type(getattr(ab_mod, ab_attr))(v) for v in vals.split(",")]
     out = os.environ.get("OUT", "./out")
     os.makedirs(out, exist_ok=True)
     lines, rows = [], []
@@ -110,6 +122,13 @@ def main():
                     dispatch.PDL_MODE = mode
                     graphs[(ov, mode)] = capture(layer, x, ids)
             dispatch.PDL_MODE = saved
+            if ab_vals:
+                layer.overlap_shared = True
+                base = getattr(ab_mod, ab_attr)
+                for v in ab_vals:
+                    setattr(ab_mod, ab_attr, v)
+                    graphs[("ab", v)] = capture(layer, x, ids)
+                setattr(ab_mod, ab_attr, base)
             res = graphs_us(graphs)
             del graphs
             layer.overlap_shared = False
@@ -118,13 +137,17 @@ def main():
             ksum = sum(r[2] for r in table)
             def trio(ov):
                 return " / ".join(f"{res[(ov, m)]:.1f}" for m in dispatch.PDL_MODES)
+            ab = (f"; default forward with {ab_attr} = {', '.join(str(v) for v in ab_vals)}: "
+                  + " / ".join(f"{res[('ab', v)]:.1f}" for v in ab_vals)) if ab_vals else ""
             lines.append(f"== {name} T={t}: graph us, PDL {' / '.join(dispatch.PDL_MODES)}: in line {trio(False)}, "
                          f"overlapped {trio(True)}; kernel sum (in line, eager, PDL off) {ksum:.1f} us over "
-                         f"{sum(r[1] for r in table):.0f} launches")
+                         f"{sum(r[1] for r in table):.0f} launches{ab}")
             for k, c, us in table:
                 lines.append(f"   {us:8.2f} us  x{c:4.1f}  {k}")
             rows.append(dict(preset=name, T=t, pdl=dispatch.has_pdl(layer.device)[1], kernel_sum_us=ksum, kernels=table,
-                             **{f"graph_{'overlap' if ov else 'inline'}_{m}_us": v for (ov, m), v in res.items()}))
+                             **{f"graph_{'overlap' if ov else 'inline'}_{m}_us": v for (ov, m), v in res.items()
+                                if ov != "ab"},
+                             **{f"graph_default_{ab_attr}_{m}_us": v for (ov, m), v in res.items() if ov == "ab"}))
             print("\n".join(lines[-len(table) - 1:]), flush=True)
     with open(os.path.join(out, "profile_layer.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
