@@ -17,6 +17,8 @@ Sections (each guarded: an exception becomes an "error" row, the script goes on)
   t_gemm    timing Triton vs scaled_mm at the shared-expert shapes, TB/s of weights, TFLOP/s;
             then ("t_splitk" rows) exact split-K vs single pass with the same tiles at
             M in {1, 4, 16, 64}: both timed, and split-K == single pass bitwise ("ok")
+  mlp_floor the decode MLP (T = 1, default path) against one launch that only reads the same
+            weight bytes and an empty launch (graph replay): the size-matched ceiling
   sweep     Triton GEMM tile configs at M=1 (single pass and split-K) and M=4096 (incl.
             IMPRECISE=128, the fast_accum mode) per shape (pick defaults from it); the
             SwiGLU-quant persistent variants inside t_swiglu
@@ -495,6 +497,73 @@ def part_gemm_timing():
             del ws
 
 
+def part_mlp_floor():
+    """The shared expert at one token (DeepseekV4MLP.forward, the default path) against what
+    one launch can do with the same bytes: a Triton kernel that only reads the gate_up and
+    down weight bytes (16-byte loads, ~16 KB per program, one int per program written) and
+    an empty one-program kernel (the graph-replay launch floor). CUDA graphs, weights
+    rotated over copies; the MLP row also times act_quant + forward_quantised alone."""
+    import triton
+    import triton.language as tl
+
+    from dsv4_moe.testing import random_fp8_block_weight
+
+    @triton.jit
+    def _read_kernel(a_ptr, b_ptr, na, nb, out_ptr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        nprog_a = tl.cdiv(na, BLOCK)
+        if pid < nprog_a:
+            offs = pid * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(a_ptr + offs, mask=offs < na, other=0)
+        else:
+            offs = (pid - nprog_a) * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(b_ptr + offs, mask=offs < nb, other=0)
+        tl.store(out_ptr + pid, tl.xor_sum(x, axis=0))
+
+    @triton.jit
+    def _empty_kernel(out_ptr):
+        tl.store(out_ptr, 1)
+
+    from dsv4_moe.kernels import fp8_block_gemm as fbg
+    g = torch.Generator(device=DEV).manual_seed(11)
+    sink = torch.zeros(1 << 16, dtype=torch.int32, device=DEV)
+    t_empty = bench([lambda: _empty_kernel[(1,)](sink)])
+    log(f"mlp_floor: empty one-program kernel, graph replay {t_empty:.2f} us")
+    for label, h, i in (("flash", 4096, 2048), ("pro-tp8", 7168, 384), ("pro-tp1", 7168, 3072)):
+        wbytes = 3 * h * i
+        nw = max(2, math.ceil(120e6 / wbytes))
+        ws = [(random_fp8_block_weight(2 * i, h, generator=g), random_fp8_block_weight(h, i, generator=g))
+              for _ in range(nw)]
+        x = torch.randn(1, h, device=DEV, generator=g).bfloat16()
+
+        def mlp(w):
+            (w13, s13), (w2, s2) = w
+            q, sa = act_quant(x)
+            gu = fp8_block_gemm_nt(q, sa, w13, s13)
+            hq, hs = swiglu_quant(gu, limit=10.0)
+            return fp8_block_gemm_nt(hq, hs, w2, s2)
+
+        def read(w, block=4096):
+            (w13, _), (w2, _) = w
+            a, b = w13.view(torch.int32).reshape(-1), w2.view(torch.int32).reshape(-1)
+            grid = triton.cdiv(a.numel(), block) + triton.cdiv(b.numel(), block)
+            _read_kernel[(grid,)](a, b, a.numel(), b.numel(), sink, BLOCK=block, num_warps=4)
+        t_mlp = bench([lambda w=w: mlp(w) for w in ws])
+        t_read = bench([lambda w=w: read(w) for w in ws])
+        t_read8 = bench([lambda w=w: read(w, 8192) for w in ws])
+        best = min(t_read, t_read8)
+        row = dict(part="mlp_floor", shape=label, H=h, I=i, weight_bytes=wbytes, us_mlp=t_mlp, us_read_16k=t_read,
+                   us_read_32k=t_read8, us_empty=t_empty, TBps_mlp=wbytes / t_mlp / 1e6,
+                   TBps_read=wbytes / best / 1e6, mlp_at_pct_of_read=100 * best / t_mlp,
+                   split_k_gate_up=fbg.choose_config(1, 2 * i, h).get("SPLIT_K"))
+        add(row)
+        log(f"mlp_floor {label}: MLP {t_mlp:.1f} us ({row['TBps_mlp']:.2f} TB/s); one launch reading the same "
+            f"{wbytes / 1e6:.1f} MB {t_read:.1f} / {t_read8:.1f} us (16 / 32 KB per program, "
+            f"{row['TBps_read']:.2f} TB/s); MLP at {row['mlp_at_pct_of_read']:.0f} % of it; empty launch "
+            f"{t_empty:.2f} us")
+        del ws
+
+
 def part_sweep():
     for label, n, k in GEMM_SHAPES:
         for m, cfgs in SWEEP.items():
@@ -605,6 +674,8 @@ def main():
                 part_swiglu_timing(copy_tbps)
             elif part == "t_gemm":
                 part_gemm_timing()
+            elif part == "mlp_floor":
+                part_mlp_floor()
             elif part == "sweep":
                 part_sweep()
         except Exception as e:
