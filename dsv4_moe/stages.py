@@ -107,11 +107,24 @@ def _gemm_shapes(ctx: DispatchContext):
 # scale layout (scripts/gpu_check_shared.py, BENCHMARKS.md), 2.3-3.5x faster than the
 # Triton kernel at M = 4096, but its FP8 wgmma accumulates a whole 128-wide block in
 # reduced precision: 4.6-7.1 % of bf16 outputs off the float64-summed reference (M = 1 to
-# 4096) against 0 % (M <= 16) and 2.6 % (M = 4096) for the Triton kernel. It is kept
-# closed for that accuracy gap; opening it (for prefill) is this one switch.
+# 4096) against 0 % (M <= 16) and 2.6 % (M = 4096) for the Triton kernel. It is closed by
+# default for that accuracy gap; DSV4_MOE_SCALED_MM=prefill opens it from
+# SCALED_MM_MIN_TOKENS tokens on (decode stays on the Triton GEMV, 3-5x faster there).
 SCALED_MM_VALIDATED: tuple[bool, str] = (
     False, "blockwise scaled_mm less accurate than the Triton kernel on the H200 "
            "(4.6-7.1% of outputs off the reference vs <= 2.6%): closed by choice")
+SCALED_MM_MIN_TOKENS = 1024
+SCALED_MM_MODES = ("off", "prefill")
+
+
+def scaled_mm_mode() -> str:
+    """DSV4_MOE_SCALED_MM: "off" (default) or "prefill" (opt in to the faster, less accurate
+    cuBLASLt GEMM for the shared expert from SCALED_MM_MIN_TOKENS tokens)."""
+    import os  # noqa: PLC0415
+    raw = os.environ.get("DSV4_MOE_SCALED_MM", "off").strip().lower() or "off"
+    if raw not in SCALED_MM_MODES:
+        raise ValueError(f"DSV4_MOE_SCALED_MM={raw!r}: expected one of {SCALED_MM_MODES}")
+    return raw
 
 
 def fp8_gemm_scaled_mm_supported(ctx: DispatchContext):
@@ -119,11 +132,17 @@ def fp8_gemm_scaled_mm_supported(ctx: DispatchContext):
     if not ok:
         return ok, why
     if not SCALED_MM_VALIDATED[0]:
-        return SCALED_MM_VALIDATED
+        if scaled_mm_mode() == "off":
+            return False, SCALED_MM_VALIDATED[1] + " (DSV4_MOE_SCALED_MM=prefill opts in)"
+        if ctx.num_tokens < SCALED_MM_MIN_TOKENS:
+            return False, (f"DSV4_MOE_SCALED_MM=prefill: T={ctx.num_tokens} < {SCALED_MM_MIN_TOKENS} "
+                           "(decode keeps the Triton kernel)")
     for m, n, k in _gemm_shapes(ctx):
         ok, why = _kernel("scaled_mm_fp8").scaled_mm_supported(m, n, k, ctx.device)
         if not ok:
             return ok, why
+    if not SCALED_MM_VALIDATED[0]:
+        why = f"DSV4_MOE_SCALED_MM=prefill, T >= {SCALED_MM_MIN_TOKENS}: {why} (less accurate, opted in)"
     return True, why
 
 

@@ -252,3 +252,23 @@ def test_gemv_kb_vec_equals_the_block_loop(m, n, k, split_k):
     assert torch.equal(vec32.view(torch.int16), vec.view(torch.int16))
     one = fp8_block_gemm_nt(*args, config={**cfg, "KB_VEC": True}, split_k=1).cpu()  # unsplit: the loop
     assert torch.equal(one.view(torch.int16), vec.view(torch.int16))
+
+
+def test_scaled_mm_opt_in_knob(monkeypatch):
+    """DSV4_MOE_SCALED_MM: off by default (the accuracy reason), 'prefill' opens the path
+    only from SCALED_MM_MIN_TOKENS tokens, anything else is an error naming the value."""
+    from dsv4_moe import stages
+    from dsv4_moe.dispatch import DispatchContext
+    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    monkeypatch.delenv("DSV4_MOE_SCALED_MM", raising=False)
+    ok, why = stages.fp8_gemm_scaled_mm_supported(DispatchContext(device=dev, num_tokens=4096))
+    assert not ok and "closed by choice" in why and "DSV4_MOE_SCALED_MM=prefill" in why
+    monkeypatch.setenv("DSV4_MOE_SCALED_MM", "prefill")
+    small = stages.SCALED_MM_MIN_TOKENS - 1
+    ok, why = stages.fp8_gemm_scaled_mm_supported(DispatchContext(device=dev, num_tokens=small))
+    assert not ok and f"T={small}" in why
+    ok, why = stages.fp8_gemm_scaled_mm_supported(DispatchContext(device=torch.device("cpu"), num_tokens=4096))
+    assert not ok and "CUDA" in why   # opted in, but the device cannot run it: still closed, with the reason
+    monkeypatch.setenv("DSV4_MOE_SCALED_MM", "always")
+    with pytest.raises(ValueError, match="DSV4_MOE_SCALED_MM='always'"):
+        stages.scaled_mm_mode()
