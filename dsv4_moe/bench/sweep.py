@@ -26,6 +26,7 @@ from .peers import PEER_TOLERANCE, make_peer
 __all__ = ["run", "rel_err", "auto_sets", "weight_copies"]
 
 _L2_BYTES = 60e6  # H200 L2 (SPEC §8); rotation is sized against it
+_MAX_WEIGHT_SETS = 16
 
 
 def rel_err(out, ref) -> float:
@@ -94,7 +95,12 @@ def run(b, cfg, w, w_ep_size, tokens, parts, paths, stage_list, peer_names) -> N
                      first_expert=rt.first_expert, num_local=rt.num_local, hash_layer=w.router.is_hash)
     t1 = layer_work(dims, 1, unique_experts=min(k, rt.num_local), local_routes=k * rt.num_local / dims.num_experts)
     small_w = t1["shared"].bytes + t1["router"].bytes
-    nw = args.weight_sets or (min(4, max(1, math.ceil(2 * _L2_BYTES / small_w))) if dev == "cuda" else 1)
+    # NOTE (session 9): the cap was 4, which left Pro-TP8's router + shared expert (13.8 MB a
+    # copy, 55 MB for four) inside the 60 MB L2: its shared stage timed L2-warm (12.7 us at
+    # T = 1 in session 7, 20.7 us with the weights rotated over 120 MB). 16 copies cover
+    # 2x the L2 for every V4 shape (at most 16 x 7.5 MB when the cap binds).
+    nw = args.weight_sets or (min(_MAX_WEIGHT_SETS, max(1, math.ceil(2 * _L2_BYTES / small_w))) if dev == "cuda"
+                              else 1)
     # this package's layers and stages get the routed byte order the layer picks on this
     # device ("mma64" on CUDA, converted once here, not per layer); peers keep `w` ("nk")
     from dsv4_moe.layers import choose_routed_layout  # noqa: PLC0415
