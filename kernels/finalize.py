@@ -16,8 +16,10 @@ add_shared_round; without EP the fused kernel is used. Fused == unfused bitwise.
 
 BLOCK_H: 1024 columns per program (16-byte loads with 4 warps) once there are enough
 tokens to fill the GPU; 256 below `_SMALL_T` tokens so a decode call still spreads over
-more SMs (T * H / 256 programs). TODO: confirm the crossover with
-scripts/gpu_check_routed.py ("finalize" rows).
+more SMs (T * H / 256 programs). NOTE (session 9, scripts/gpu_probe_finalize.py, CUDA
+graphs, rotated inputs, docs/bench/2026-11-29/session9/probe_finalize_70c3d16.txt): the
+crossover sits between 64 and 256 tokens (us fused, BLOCK_H 256 / 1024: H 7168 T=16 5.08 /
+11.39, T=64 7.71 / 7.86, T=256 12.18 / 11.59, T=4096 140.95 / 103.20), so the rule stays.
 """
 
 from __future__ import annotations
