@@ -94,11 +94,13 @@ def run(b, cfg, w, w_ep_size, tokens, parts, paths, stage_list, peer_names) -> N
     dims = LayerDims(hidden=rt.hidden, intermediate=rt.intermediate, num_experts=cfg.n_routed_experts, top_k=k,
                      first_expert=rt.first_expert, num_local=rt.num_local, hash_layer=w.router.is_hash)
     t1 = layer_work(dims, 1, unique_experts=min(k, rt.num_local), local_routes=k * rt.num_local / dims.num_experts)
-    small_w = t1["shared"].bytes + t1["router"].bytes
-    # NOTE (session 9): the cap was 4, which left Pro-TP8's router + shared expert (13.8 MB a
-    # copy, 55 MB for four) inside the 60 MB L2: its shared stage timed L2-warm (12.7 us at
-    # T = 1 in session 7, 20.7 us with the weights rotated over 120 MB). 16 copies cover
-    # 2x the L2 for every V4 shape (at most 16 x 7.5 MB when the cap binds).
+    # every stage's own weights must exceed 2x the L2 over the copies: size by the smaller
+    # of the two (the shared stage reads only the shared expert, the router only its matrix)
+    small_w = max(1, min(t1["shared"].bytes, t1["router"].bytes))
+    # NOTE (session 9): the cap was 4 and the copies were sized by router + shared bytes
+    # together, which left Pro-TP8's shared expert (8.3 MB a copy) inside the 60 MB L2: its
+    # shared stage timed L2-warm (12.7 us at T = 1 in session 7, 20.7 us with the weights
+    # rotated over 120 MB). Now up to 16 copies, sized by the smaller of the two.
     nw = args.weight_sets or (min(_MAX_WEIGHT_SETS, max(1, math.ceil(2 * _L2_BYTES / small_w))) if dev == "cuda"
                               else 1)
     # this package's layers and stages get the routed byte order the layer picks on this
