@@ -132,3 +132,14 @@ def test_bad_arguments_raise():
         count_routes(ids([0, 1]), 0, 8)
     with pytest.raises(ValueError, match="rates"):
         floor_us(1, 1, 0, 1)
+
+
+def test_rotation_covers_every_weight_copy_at_small_T():
+    """Session 9: at small T the timed calls rotate over max(input sets, weight copies), so a
+    stage whose weights are small (Pro-TP8's shared expert) does not read them from L2."""
+    from dsv4_moe.bench.sweep import _L2_BYTES, rotation
+    sets = ["a", "b"]
+    assert rotation(sets, 5, 1e6) == [(0, "a"), (1, "b"), (2, "a"), (3, "b"), (4, "a")]
+    assert rotation(sets, 5, 3 * _L2_BYTES) == [(0, "a"), (1, "b")]   # one set alone exceeds the L2
+    assert rotation(["a", "b", "c"], 2, 1e6) == [(0, "a"), (1, "b"), (2, "c")]
+    assert rotation([], 4, 1e6) == []

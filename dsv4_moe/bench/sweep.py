@@ -59,6 +59,18 @@ def auto_sets(t1_bytes: float, per_set_bytes: float, device: str) -> int:
     return max(2, min(small, math.ceil(4 * _L2_BYTES / max(per_set_bytes, 1))))
 
 
+def rotation(sets: list, n_copies: int, per_set_bytes: float) -> list:
+    """(rotation index, input set) pairs timed in turn: every input set, and, while one set's
+    activations are small against the L2, every weight copy too (index j uses set
+    j % len(sets) and copy j % n_copies). NOTE (session 9): rotating only over the input sets
+    used min(n_sets, copies) weight copies, so at T = 1 a stage whose weights are small (the
+    Pro-TP8 shared expert, 8.3 MB) read them from L2."""
+    if not sets:
+        return []
+    n = len(sets) if per_set_bytes >= 2 * _L2_BYTES else max(len(sets), n_copies)
+    return [(j, sets[j % len(sets)]) for j in range(n)]
+
+
 def weight_copies(weights, n: int) -> list:
     """n layer weights sharing the routed experts, each with its own router and shared tensors."""
     out = [weights]
@@ -114,7 +126,8 @@ def run(b, cfg, w, w_ep_size, tokens, parts, paths, stage_list, peer_names) -> N
     b.notes.append(
         f"rotated per call: x{' + input_ids' if w.router.is_hash else ''} over n_sets input sets (per row in the "
         f"JSON; routing follows the set, so routed-expert reads rotate); {nw} copies of router + shared weights "
-        f"(one layer object each); routed expert weights (one expert = "
+        f"(one layer object each; while a set is small against the L2 the calls rotate over max(n_sets, copies), "
+        f"'rotations' in the JSON); routed expert weights (one expert = "
         f"{routed_expert_bytes(rt.hidden, rt.intermediate) / 1e6:.1f} MB) are not copied")
     b.notes.append("routing of every set: dsv4_moe.reference.route on that set's x "
                    + ("(hash layer: tid2eid[input_ids])" if w.router.is_hash else "(real router, random x)"))
@@ -193,11 +206,13 @@ def run(b, cfg, w, w_ep_size, tokens, parts, paths, stage_list, peer_names) -> N
                 noise[scope] = None if ex is None else rel_err(ref(scope), ex)
             return noise[scope]
 
-        common = dict(T=T, n_sets=n_sets, unique_experts=ue, local_routes=lr, layer_floor_us=layer_floor)
+        rot = rotation(sets, len(wcopies), per_set)
+        common = dict(T=T, n_sets=n_sets, rotations=len(rot), unique_experts=ue, local_routes=lr,
+                      layer_floor_us=layer_floor)
         first = len(b.rows)
         if "layer" in parts:
             for path in paths:
-                _layer_row(b, cfg, layers, layer_err, sets, path, common, works["layer"], ref, n)
+                _layer_row(b, cfg, layers, layer_err, rot, path, common, works["layer"], ref, n)
         if "stages" in parts:
             ctx, ctx_err = None, None
             try:
@@ -205,23 +220,23 @@ def run(b, cfg, w, w_ep_size, tokens, parts, paths, stage_list, peer_names) -> N
             except Exception as e:  # noqa: BLE001
                 ctx_err = f"dsv4_moe.dispatch unavailable: {type(e).__name__}: {str(e)[:200]}"
             for st in stage_list:
-                _stage_row(b, cfg, mlps, mlp_err, ctx, ctx_err, wcopies, sets, st, common, works[st], ref, n)
+                _stage_row(b, cfg, mlps, mlp_err, ctx, ctx_err, wcopies, rot, st, common, works[st], ref, n)
         for p in peers:
             base = dict(common, case=f"peer {p.name}", kind="peer", scope=p.scope, peer=p.name, label=p.label)
-            row = b.case(base, lambda p=p: [p.bind(s, i) for i, s in enumerate(sets)],
+            row = b.case(base, lambda p=p: [p.bind(s, j) for j, s in rot],
                          lambda out, p=p: rel_err(_cut(out, n), ref(p.scope)), work=works[p.scope],
                          tol=PEER_TOLERANCE[p.name])
             if "rel_err" in row:
                 row["ref_rel_err_vs_unquantised"] = ref_noise(p.scope)
         _peer_sum_row(b, b.rows[first:], common, works["layer"])
-        del sets, refs, noise
+        del sets, rot, refs, noise
         if dev == "cuda":
             torch.cuda.empty_cache()
     for p in peers:
         p.release()
 
 
-def _layer_row(b, cfg, layers, layer_err, sets, path, common, work, ref, n):
+def _layer_row(b, cfg, layers, layer_err, rot, path, common, work, ref, n):
     base = dict(common, case=f"layer {path}", kind="path", scope="layer", path=path)
     if b.device != "cuda" and path != "reference":
         b.add(dict(base, status="skipped",
@@ -248,13 +263,13 @@ def _layer_row(b, cfg, layers, layer_err, sets, path, common, work, ref, n):
         b.last_plan[key] = plan
         b.notes.append(f"layer {path} from T={common['T']}: {plan}")
     b.case(base,
-           lambda: [(lambda L=layers[i % nw], s=s: L.forward(s.x, s.input_ids)) for i, s in enumerate(sets)],
+           lambda: [(lambda L=layers[j % nw], s=s: L.forward(s.x, s.input_ids)) for j, s in rot],
            lambda out: rel_err(out[:n], ref("layer")), work=work, context=ctx,
            # NOTE: the reference path loops over experts with host syncs: eager, few calls.
            graphs=not slow, reps=3 if slow else None, max_sets=2 if slow else None, max_inner=2 if slow else 200)
 
 
-def _stage_row(b, cfg, mlps, mlp_err, ctx, ctx_err, wcopies, sets, st, common, work, ref, n):
+def _stage_row(b, cfg, mlps, mlp_err, ctx, ctx_err, wcopies, rot, st, common, work, ref, n):
     base = dict(common, case=f"stage {st}", kind="stage", scope=st, stage=st)
     if st == "shared" and mlps is None:
         b.add(dict(base, status="skipped", reason=mlp_err))
@@ -267,8 +282,8 @@ def _stage_row(b, cfg, mlps, mlp_err, ctx, ctx_err, wcopies, sets, st, common, w
 
     def make():
         fns = []
-        for i, s in enumerate(sets):
-            label, fn = ours.stage_callables(st, mlps[i % nw] if mlps else None, wcopies[i % nw], cfg, ctx, s)
+        for j, s in rot:
+            label, fn = ours.stage_callables(st, mlps[j % nw] if mlps else None, wcopies[j % nw], cfg, ctx, s)
             labels.append(label)
             fns.append(fn)
         return fns
