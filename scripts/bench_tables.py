@@ -1,8 +1,9 @@
 """Markdown tables for BENCHMARKS.md from `python -m dsv4_moe bench --json` files.
 
     python scripts/bench_tables.py docs/bench/2026-11-29/bench_flash.json [...]
+    python scripts/bench_tables.py small_T.json+large_T.json     # one table from two runs
 
-Prints, per file: the whole-layer table (ours default / unfused, peers' best sum, the
+Prints, per argument: the whole-layer table (ours default / unfused, peers' best sum, the
 floor) and the per-stage table (our stage vs the best peer for that stage), one row
 per token count. Numbers are copied from the JSON, never recomputed.
 """
@@ -51,14 +52,33 @@ def stage_table(d) -> str:
     return "\n".join(out)
 
 
+def merge(runs: list[dict]) -> dict:
+    """One run from several of the same layer (e.g. a budget-limited sweep and a second run
+    for the large T it skipped): a later run's measured ("ok") row replaces any row with the
+    same (case, T); its other rows fill gaps only. The runs must share the title."""
+    titles = {r["title"] for r in runs}
+    if len(titles) != 1:
+        raise ValueError(f"merge: runs of different layers cannot share a table: {sorted(titles)}")
+    rows: dict = {}
+    for run in runs:
+        for r in run["rows"]:
+            key = (r.get("case"), r.get("T"))
+            if r.get("status") == "ok" or key not in rows:
+                rows[key] = r
+    return dict(runs[0], rows=list(rows.values()), merged=runs)
+
+
 def main(argv=None) -> int:
-    for path in (argv if argv is not None else sys.argv[1:]):
-        d = json.load(open(path))
-        hw = d["hardware"]
+    for arg in (argv if argv is not None else sys.argv[1:]):
+        runs = [json.load(open(path)) for path in arg.split("+")]
+        d = merge(runs)
         print(f"### {d['title']}\n")
-        print(f"`{d['command']}` — {d['env']['device_name']}, torch {d['env']['torch']}, Triton {d['env']['triton']}; "
-              f"ceilings measured in the same run: copy {hw['copy_TBps']:.2f} TB/s, FP8 matmul {hw['fp8_TFLOPs']:.0f} "
-              f"TFLOP/s, bf16 {hw['bf16_TFLOPs']:.0f} TFLOP/s.\n")
+        for run in runs:
+            hw = run["hardware"]
+            print(f"`{run['command']}` — {run['env']['device_name']}, torch {run['env']['torch']}, Triton "
+                  f"{run['env']['triton']}, commit {run['env'].get('git_commit') or '?'}; ceilings measured in the same "
+                  f"run: copy {hw['copy_TBps']:.2f} TB/s, FP8 matmul {hw['fp8_TFLOPs']:.0f} TFLOP/s, bf16 "
+                  f"{hw['bf16_TFLOPs']:.0f} TFLOP/s.\n")
         print("Whole layer (router + act quant + shared + routed + finalize):\n")
         print(layer_table(d) + "\n")
         print("Stages, µs (peers' routing sort/align precomputed, ours included):\n")

@@ -4,6 +4,10 @@
         --section WarpStateStats --section SchedulerStats --section Occupancy \
         python3 scripts/gpu_ncu_kernels.py
 
+With --layer-configs the routed GEMMs take the layer's configs (`routed_configs`); stall
+reasons per issued instruction come with
+`--metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio`.
+
 Runs each case twice (the first launch compiles; profile either): the routed MXFP4 GEMM with
 the default config at T = 1 (Flash gate_up and down, Pro-TP8 gate_up; top-6 routes), the
 shared FP8 GEMM at M = 1 (Flash gate_up, the GEMV body) and SwiGLU-quant at T = 8192,
@@ -31,13 +35,19 @@ def main() -> None:
     ap.add_argument("--layout", default="nk", choices=("nk", "mma64"), help="routed weight byte order")
     ap.add_argument("--tokens", default="1", help="comma-separated T for the routed GEMMs")
     ap.add_argument("--routed-only", action="store_true")
-    ap.add_argument("--shapes", default="flash_up,flash_down,pro_up", help="routed GEMM cases to run")
+    ap.add_argument("--shapes", default="flash_up,flash_down,pro_up", help="routed GEMM cases to run "
+                    "(flash_up, flash_down, pro_up, pro_down)")
+    ap.add_argument("--layer-configs", action="store_true",
+                    help="the configs the layer uses (routed_configs: bf16 activation pairs for gate_up, the "
+                         "register cap for short-K down), not select_config's alone")
     args = ap.parse_args()
+    from dsv4_moe.kernels.routed_experts import routed_configs
     from dsv4_moe.weights.mma_layout import to_mma64
+    from dsv4_moe.weights.tensors import RoutedExpertWeights
 
     g = torch.Generator(device=DEV).manual_seed(0)
     for name, n, k, e, gather in (("flash_up", 4096, 4096, 256, True), ("flash_down", 4096, 2048, 256, False),
-                                  ("pro_up", 768, 7168, 384, True)):
+                                  ("pro_up", 768, 7168, 384, True), ("pro_down", 7168, 384, 384, False)):
         if name not in args.shapes.split(","):
             continue
         w, s = random_mxfp4_weight((e, n, k), generator=g)
@@ -46,6 +56,12 @@ def main() -> None:
         for t in [int(v) for v in args.tokens.split(",")]:
             ids = torch.stack([torch.randperm(e, device=DEV)[:6] for _ in range(t)]).sort(1).values.int()
             cfg = select_config(6 * t, e, n, k, args.layout)
+            if args.layer_configs:  # shapes only: meta tensors of the layer's gate_up / down
+                i, h = (n // 2, k) if gather else (k, n)
+                meta = RoutedExpertWeights(torch.empty(e, 2 * i, h // 2, device="meta"), torch.empty(0, device="meta"),
+                                           torch.empty(e, h, i // 2, device="meta"), torch.empty(0, device="meta"),
+                                           0, e, args.layout)
+                cfg = routed_configs(6 * t, meta)[0 if gather else 1]
             a = moe_align(ids, e, 0, cfg.block_m)
             rows = t if gather else a.max_rows
             q, sa = act_quant(torch.randn(rows, k, device=DEV).bfloat16())

@@ -309,3 +309,40 @@ def test_align_layout_invariants():
     for blk, e in enumerate(expert_ids.tolist()):
         rows = sorted_ids[4 * blk:4 * blk + 4]
         assert all(int(flat[r]) == e for r in rows if r != n)  # a block holds one expert's routes
+
+
+
+def _fake_run(title, rows):
+    hw = {"copy_TBps": 4.2, "fp8_TFLOPs": 1400.0, "bf16_TFLOPs": 780.0}
+    env = {"device_name": "GPU", "torch": "t", "triton": "3.6.0", "git_commit": "abc1234"}
+    return {"title": title, "command": "bench", "hardware": hw, "env": env, "rows": [
+        {"case": case, "T": t, "status": status, "us": us, "TBps": 1.0, "TFLOPs": 1.0, "pct_floor": 10.0}
+        for case, t, status, us in rows]}
+
+
+def test_bench_tables_merge_runs(tmp_path, capsys):
+    """scripts/bench_tables.py a.json+b.json: one table; b's measured rows replace a's
+    (a budget-limited sweep completed by a second run for the T it skipped)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_tables", Path(__file__).resolve().parents[1] / "scripts" / "bench_tables.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    first = _fake_run("layer A", [("layer default", 1, "ok", 80.0), ("layer default", 8192, "skipped", None),
+                                  ("layer unfused", 1, "ok", 120.0)])
+    second = _fake_run("layer A", [("layer default", 8192, "ok", 12345.0), ("layer default", 1, "skipped", None)])
+    got = {(r["case"], r["T"]): r for r in tables.merge([first, second])["rows"]}
+    assert got[("layer default", 8192)]["us"] == 12345.0          # measured row replaces a skip
+    assert got[("layer default", 1)]["us"] == 80.0                # a skip never replaces a measurement
+    assert got[("layer unfused", 1)]["us"] == 120.0 and len(got) == 3
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(first))
+    b.write_text(json.dumps(second))
+    assert tables.main([f"{a}+{b}"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("ceilings measured in the same run") == 2
+    assert "| 1 | 80.0 |" in out and "| 8192 | 12345.0 |" in out
+    with pytest.raises(ValueError, match="different layers"):
+        tables.merge([first, _fake_run("layer B", [])])
