@@ -219,6 +219,7 @@ def _mxfp4_grouped_gemm_swap_kernel(
     A_BF16: tl.constexpr = False,  # activations given as bf16, each 128-block as [64 even k | 64 odd k]
                                    # (K % 128 == 0): the MMA's second operand loads as is
     DIAG: tl.constexpr = 0,        # probes only (gpu_probe_swz.py --diag): 1 skip dequant, 2 skip MMA
+    LOOP_UNROLL: tl.constexpr = 1,  # Triton loop_unroll_factor of the K loop (GemmConfig.unroll)
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
 ):
     """Swapped operands: out^T[n, rows] = W[n, k] . A^T[k, rows]. The dequantised weight
@@ -265,7 +266,7 @@ def _mxfp4_grouped_gemm_swap_kernel(
     # SASS instructions of the decode loop).
     K_MASKED: tl.constexpr = K % 128 != 0 or (SPLIT and (K // 128) % KB_PER != 0)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for j in tl.range(0, KB_PER, num_stages=NUM_STAGES):
+    for j in tl.range(0, KB_PER, num_stages=NUM_STAGES, loop_unroll_factor=LOOP_UNROLL):
         kb = pid_k * KB_PER + j
         k0 = kb * 128
         if A_BF16 and K_MASKED:

@@ -62,7 +62,8 @@ class GemmConfig:
     # dequantise with the inline-PTX bf16x2 construction (_dequant_w); ignored (False)
     # under the Triton interpreter, which cannot run PTX; needs scale_bcast for "tile"
     asm: bool = False
-    # "gemv" only: 128-blocks per loop iteration (independent loads in flight together)
+    # "gemv": 128-blocks per loop iteration (independent loads in flight together);
+    # "swap": Triton's loop_unroll_factor of the K loop (fewer pipeline barriers per block)
     unroll: int = 1
     # "swap" only: hand the MMA its second operand as bf16 ([64 even | 64 odd] per
     # 128-block, converted by torch in the wrapper, its time included), so the body skips
@@ -90,6 +91,8 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.a_bf16=True needs kind 'swap', got kind={self.kind!r}")
         if self.maxnreg is not None and (not isinstance(self.maxnreg, int) or not 24 <= self.maxnreg <= 255):
             raise ValueError(f"GemmConfig.maxnreg={self.maxnreg!r}: expected None or an int in [24, 255]")
+        if not isinstance(self.unroll, int) or self.unroll < 1 or (self.unroll > 1 and self.kind == "tile"):
+            raise ValueError(f"GemmConfig.unroll={self.unroll!r}: expected an int >= 1 (1 for kind 'tile')")
         if not isinstance(self.split_k, int) or self.split_k < 1 or (self.split_k > 1 and self.kind == "tile"):
             raise ValueError(f"GemmConfig.split_k={self.split_k!r}: expected an int >= 1 (1 for kind 'tile')")
 
@@ -294,7 +297,7 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
                   num_warps=cfg.num_warps, **_launch_opts(cfg), **pdl_options(out.device))
     if cfg.kind == "swap":
         _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, W_SWZ=swz, A_BF16=cfg.a_bf16,
-                                              DIAG=cfg.diag, **common)
+                                              DIAG=cfg.diag, LOOP_UNROLL=cfg.unroll, **common)
     else:
         _mxfp4_gemv_kernel[grid](*args, UNROLL=cfg.unroll, **common)
     if split:

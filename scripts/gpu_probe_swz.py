@@ -59,7 +59,7 @@ def ulp_stats(a, b):
 def label(cfg, layout):
     return (f"{layout:5s} {cfg.kind}{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
             f" sk{cfg.split_k} asm{int(cfg.asm)}{' bf16A' if cfg.a_bf16 else ''}{f' DIAG{cfg.diag}' if cfg.diag else ''}"
-            f"{f' r{cfg.maxnreg}' if cfg.maxnreg else ''}")
+            f"{f' r{cfg.maxnreg}' if cfg.maxnreg else ''}{f' u{cfg.unroll}' if cfg.unroll > 1 else ''}")
 
 
 def main():
@@ -75,6 +75,9 @@ def main():
                     help="only the shared expert's M=1 FP8 GEMV: split-K x KB_VEC variants, weights rotated")
     ap.add_argument("--regs", action="store_true",
                     help="only the mma64 default and register / stage variants of it")
+    ap.add_argument("--unroll", action="store_true",
+                    help="only the layer's config (a_bf16 / register cap as routed_configs) and its K loop "
+                         "unrolled 2 and 4 times (GemmConfig.unroll: fewer pipeline barriers per block)")
     ap.add_argument("--diag", action="store_true",
                     help="only the mma64 default and its DIAG twins (1: no dequantisation, 2: no MMA; "
                          "wrong values) to split its time into load, conversion and MMA")
@@ -164,6 +167,17 @@ def main():
                 cands = [(base, "mma64")] + [(GemmConfig(**{**c, **kw}), "mma64") for kw in (
                     dict(maxnreg=128), dict(num_stages=2), dict(num_stages=3, maxnreg=128), dict(num_warps=8),
                     dict(num_stages=2, maxnreg=120))]
+            if args.unroll:  # session 10: ncu put 9-11 % of the decode body's cycles in the loop barrier
+                c = {**new_cfg.__dict__, "a_bf16": gather and new_cfg.kind == "swap" and new_cfg.split_k == 1
+                     and rows_per >= 0.2}
+                if not gather and k <= 1024 and rows_per >= 0.05 and new_cfg.kind == "swap":
+                    c["maxnreg"] = 128
+                base = GemmConfig(**c)
+                cands = [(base, "mma64")]
+                if base.kind == "swap":
+                    cands += [(GemmConfig(**{**c, "unroll": u}), "mma64") for u in (2, 4)]
+                    if base.maxnreg:
+                        cands.append((GemmConfig(**{**c, "unroll": 2, "maxnreg": None}), "mma64"))
             if args.cfgs:
                 cands = [(base_cfg, "nk"), (new_cfg, "mma64")]
                 for spec in args.cfgs.split(","):

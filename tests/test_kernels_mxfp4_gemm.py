@@ -185,9 +185,11 @@ def test_layout_flags_match_default(flags):
     assert torch.equal(base[rows].view(torch.int16), other[rows].view(torch.int16))
 
 
-@pytest.mark.parametrize("kind,bm,split,unroll", [("swap", 16, 1, 1), ("swap", 16, 3, 1), ("gemv", 1, 1, 1),
-                                                 ("gemv", 1, 2, 1), ("gemv", 1, 1, 2), ("gemv", 1, 2, 2)],
-                         ids=["swap", "swap-splitk", "gemv", "gemv-splitk", "gemv-unroll2", "gemv-splitk-unroll2"])
+@pytest.mark.parametrize("kind,bm,split,unroll", [("swap", 16, 1, 1), ("swap", 16, 3, 1), ("swap", 16, 1, 2),
+                                                 ("gemv", 1, 1, 1), ("gemv", 1, 2, 1), ("gemv", 1, 1, 2),
+                                                 ("gemv", 1, 2, 2)],
+                         ids=["swap", "swap-splitk", "swap-unroll2", "gemv", "gemv-splitk", "gemv-unroll2",
+                              "gemv-splitk-unroll2"])
 def test_other_bodies_vs_reference(kind, bm, split, unroll):
     """The swapped-operand and GEMV bodies (and their exact split-K) against the reference,
     gate_up (gathered rows) and down (K=384, scatter, a non-local route never written)."""
@@ -397,6 +399,10 @@ def test_gemm_config_maxnreg_guard_and_interpreted_equality():
         GemmConfig(16, 64, kind="swap", maxnreg=7)
     with pytest.raises(ValueError, match="maxnreg='128'"):
         GemmConfig(16, 64, kind="swap", maxnreg="128")
+    with pytest.raises(ValueError, match="unroll=2"):
+        GemmConfig(16, 64, kind="tile", unroll=2)
+    with pytest.raises(ValueError, match="unroll=0"):
+        GemmConfig(16, 64, kind="swap", unroll=0)
     g = torch.Generator().manual_seed(3)
     w, s = _weights(4, 64, 128, g)
     ids = torch.tensor([[0, 1], [1, 2], [3, 0]], dtype=torch.int32)
