@@ -177,7 +177,7 @@ def main():
                 if base.kind == "swap":
                     cands += [(GemmConfig(**{**c, "unroll": u}), "mma64") for u in (2, 4)]
                     if base.maxnreg:
-                        cands.append((GemmConfig(**{**c, "unroll": 2, "maxnreg": None}), "mma64"))
+                        cands += [(GemmConfig(**{**c, "unroll": u, "maxnreg": None}), "mma64") for u in (1, 2, 3)]
             if args.cfgs:
                 cands = [(base_cfg, "nk"), (new_cfg, "mma64")]
                 for spec in args.cfgs.split(","):
