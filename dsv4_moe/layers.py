@@ -305,7 +305,9 @@ class DeepseekV4MoE(_NativeBuffers):
         for gemm, cfg in zip(("gate_up", "down"), routed_configs(routes, self.routed)):
             extra = "".join([f", K split {cfg.split_k} ways" if cfg.split_k > 1 else "",
                              ", bf16 activation pairs" if cfg.a_bf16 else "",
-                             f", {cfg.maxnreg}-register cap" if cfg.maxnreg else ""])
+                             f", {cfg.maxnreg}-register cap" if cfg.maxnreg else "",
+                             f", K loop unrolled {cfg.unroll}x" if cfg.unroll > 1 and cfg.kind == "swap" else
+                             f", {cfg.unroll} K blocks per step" if cfg.unroll > 1 else ""])
             parts.append(f"{gemm} {cfg.kind} {cfg.block_m}x{cfg.block_n}, {cfg.num_warps} warps{extra}")
         return (f"\n  routed GEMMs ({routes / self.num_local_experts:.3g} routes per local expert): "
                 + "; ".join(parts))

@@ -60,13 +60,21 @@ def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmCo
     rows = num_routes / max(routed.num_local, 1)
     if up.kind == "swap" and up.split_k == 1 and routed.layout == "mma64" and rows >= 0.2 and h % 128 == 0:
         up = dataclasses.replace(up, a_bf16=True)
-    # NOTE: a 128-register cap on the short-K down GEMM (147 -> 128 registers, 3 -> 4 programs
-    # per SM, an 8-byte spill). H200 probe, session 6 (docs/bench/2026-11-29/session6/
-    # probe_swz_regs_b805197.txt, us): Pro-TP8 down (K = 384) T=4 25.1 -> 23.9, T=16 80.6 ->
-    # 78.5, T=64 206.9 -> 195.6, T=256 314.2 -> 303.2, but T=1 9.8 -> 10.4; Flash down (K =
-    # 2048) and every gate_up level or slower (Flash gate_up T=1 39.2 -> 42.7).
-    if down.kind == "swap" and routed.layout == "mma64" and i <= 1024 and rows >= 0.05:
-        down = dataclasses.replace(down, maxnreg=128)
+    # NOTE: the short-K down GEMM (Pro-TP8: K = I/tp = 384, three 128-blocks) on the swap
+    # body: the K loop unrolled twice (fewer pipeline barriers per block) and, for 16-row
+    # blocks from 0.05 routes per expert, a 128-register cap (147 -> 128 registers, 3 -> 4
+    # programs per SM, an 8-byte spill). H200 probe, session 10 (docs/bench/2026-11-29/
+    # session10/probe_swz_unroll_down_50ef385.txt, graphs, us, before -> now, bitwise):
+    # T=1 10.1 -> 7.8, T=4 25.1 -> 22.3, T=16 73.2 -> 67.7, T=64 202.2 -> 192.6, T=256
+    # 301.9 -> 298.4, T=1024 700.9 -> 487.0 (the 32-row block spills under the cap: it
+    # was applied there unmeasured until session 10). The unroll is slower on every
+    # long-K GEMM (Flash down 0.94-0.99x, every gate_up 0.78-0.84x; probe_swz_unroll_492f56e.txt).
+    # The cap alone (session 6, probe_swz_regs_b805197.txt): Pro-TP8 down T=4 25.1 -> 23.9,
+    # T=16 80.6 -> 78.5, T=64 206.9 -> 195.6, T=256 314.2 -> 303.2; every gate_up level or
+    # slower.
+    if down.kind == "swap" and routed.layout == "mma64" and i <= 1024:
+        down = dataclasses.replace(down, unroll=2,
+                                   maxnreg=128 if rows >= 0.05 and down.block_m == 16 else None)
     return up, down
 
 

@@ -382,12 +382,21 @@ def test_mma64_guards_and_select_config():
         assert up.a_bf16 == (up.kind == "swap" and up.split_k == 1 and t * 6 / 384 >= 0.2), (t, up)
         assert not down.a_bf16
     assert routed_configs(16 * 6, pro_tp8)[0].a_bf16 and not routed_configs(4 * 6, pro_tp8)[0].a_bf16
-    # register cap on the short-K down swap body from 0.05 routes per expert (session 6 probe)
-    for t in (1, 4, 16, 256):
+    # the short-K down swap body: K loop unrolled twice; a register cap on 16-row blocks
+    # from 0.05 routes per expert, never on the 32-row blocks of T = 1024 (probes of
+    # sessions 6 and 10)
+    for t in (1, 4, 16, 256, 1024):
         up, down = routed_configs(t * 6, pro_tp8)
-        assert down.maxnreg == (128 if down.kind == "swap" and t * 6 / 384 >= 0.05 else None), (t, down)
-        assert up.maxnreg is None
+        assert down.maxnreg == (128 if down.block_m == 16 and t * 6 / 384 >= 0.05 else None), (t, down)
+        assert down.unroll == 2 and up.unroll == 1 and up.maxnreg is None, (t, up, down)
     assert routed_configs(4 * 6, pro_tp8)[1].maxnreg == 128 and routed_configs(6, pro_tp8)[1].maxnreg is None
+    assert routed_configs(1024 * 6, pro_tp8)[1].block_m == 32
+    assert routed_configs(4096 * 6, pro_tp8)[1].kind == "tile" and routed_configs(4096 * 6, pro_tp8)[1].unroll == 1
+    flash = RoutedExpertWeights(shape(256, 4096, 2048), shape(256, 4096, 128), shape(256, 4096, 1024),
+                                shape(256, 4096, 64), first_expert=0, num_experts=256, layout="mma64")
+    for t in (1, 16, 1024):  # long-K down (K = 2048): neither
+        down = routed_configs(t * 6, flash)[1]
+        assert down.unroll == 1 and down.maxnreg is None, (t, down)
     nk = dataclasses.replace(pro_tp8, layout="nk")  # "nk" decodes on the tile/GEMV bodies: no pairs
     assert not any(routed_configs(t * 6, nk)[0].a_bf16 for t in (16, 256, 1024))
 
