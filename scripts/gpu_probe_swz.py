@@ -83,7 +83,7 @@ def main():
                          "wrong values) to split its time into load, conversion and MMA")
     ap.add_argument("--cfgs", default="",
                     help="only the nk / mma64 defaults and these configs: comma-separated "
-                         "kind:block_m:block_n:warps:stages[:bf16A][:r<maxnreg>][:nk], e.g. swap:128:128:8:3:bf16A")
+                         "kind:block_m:block_n:warps:stages[:bf16A][:r<maxnreg>][:u<unroll>][:nk], e.g. swap:128:128:8:3:bf16A")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", "./out")
     os.makedirs(out_dir, exist_ok=True)
@@ -185,7 +185,8 @@ def main():
                     extra = f[5:]
                     cands.append((GemmConfig(int(f[1]), int(f[2]), int(f[3]), int(f[4]), kind=f[0], asm=True,
                                              a_bf16="bf16A" in extra and gather,
-                                             maxnreg=next((int(x[1:]) for x in extra if x.startswith("r")), None)),
+                                             maxnreg=next((int(x[1:]) for x in extra if x.startswith("r")), None),
+                                             unroll=next((int(x[1:]) for x in extra if x.startswith("u")), 1)),
                                   "nk" if "nk" in extra else "mma64"))
             if args.fixup or args.gemv:  # only the FP8 GEMMs below
                 continue
