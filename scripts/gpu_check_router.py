@@ -157,14 +157,14 @@ def graph_us(fn, reps=15, inner=20):
     return sorted(ts)[len(ts) // 2]
 
 
-def time_router(budget_s):
+def time_router(budget_s, tokens=(1, 2, 4, 8, 16, 32, 64, 256, 1024)):
     g = torch.Generator(device=DEV).manual_seed(3)
     t0 = time.time()
     for name, e, h in (("flash", 256, 4096), ("pro", 384, 7168)):
         copies = 32
         ws = [(torch.randn(e, h, device=DEV, generator=g) * 0.02).bfloat16() for _ in range(copies)]
         bias = torch.randn(e, device=DEV, generator=g) * 0.01
-        for t in (1, 2, 4, 8, 16, 32, 64, 256, 1024):
+        for t in tokens:
             if time.time() - t0 > budget_s:
                 print("budget reached", flush=True)
                 return
@@ -183,8 +183,11 @@ def time_router(budget_s):
                 res[label] = graph_us(fn, inner=1) / copies
             if t <= 64:
                 bt, be, bh, nw = gemv_blocks(t)
-                for blk in ((bt, 1, min(1024, bh * 2), 4), (bt, 4, max(64, bh // 2), 4), (bt, 2, bh, 8),
-                            (min(bt, 4), 2, bh, 4)):
+                # whole gate rows per program (session 10): every load of a program in flight at once
+                whole = [(bt, 1, triton.next_power_of_2(h), w) for w in (4, 8)
+                         if bt * triton.next_power_of_2(h) <= 64 * 32 * w]
+                for blk in [(bt, 1, min(1024, bh * 2), 4), (bt, 4, max(64, bh // 2), 4), (bt, 2, bh, 8),
+                            (min(bt, 4), 2, bh, 4)] + whole:
                     def fn2(blk=blk):
                         for c in range(copies):
                             router_logits_gemv(xs[c], ws[c], blocks=blk)
@@ -207,6 +210,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="scores,ids,align,time")
     ap.add_argument("--budget-s", type=float, default=200)
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64,256,1024", help="T of the timing part")
     args = ap.parse_args()
     out = os.environ.get("OUT", "./out")
     os.makedirs(out, exist_ok=True)
@@ -221,7 +225,7 @@ def main():
     if "align" in parts:
         check_align()
     if "time" in parts:
-        time_router(args.budget_s)
+        time_router(args.budget_s, tuple(int(v) for v in args.tokens.split(",")))
     with open(os.path.join(out, "router.json"), "w") as f:
         json.dump(ROWS, f, indent=1, default=str)
     bad = [r for r in ROWS if r.get("ok") is False or r.get("ids_equal") is False]
