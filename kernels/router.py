@@ -78,11 +78,21 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.float() @ weight.float().t()
 
 
-def gemv_blocks(t: int) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_E, BLOCK_H, num_warps) of the logits GEMV for T tokens: 1-2 gate rows
-    per program (128-384 programs for E = 256-384), up to 8 tokens per program, and the
-    [BLOCK_T, BLOCK_E, BLOCK_H] product at <= 64 fp32 per thread."""
+def gemv_blocks(t: int, h: int | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_E, BLOCK_H, num_warps) of the logits GEMV for T tokens (hidden size h):
+    1-2 gate rows per program (128-384 programs for E = 256-384), up to 8 tokens per program,
+    and the [BLOCK_T, BLOCK_E, BLOCK_H] product at <= 64 fp32 per thread. For T <= 2 (with
+    h given, up to 8192) a program takes its whole gate row in one step, so all its loads are
+    in flight at once."""
     bt = min(8, 1 << max(0, t - 1).bit_length())
+    if h is not None and t <= 2 and h <= 8192:
+        # NOTE: H200, session 10 (gpu_check_router.py --parts time, 32 rotated gate copies,
+        # docs/bench/2026-11-29/session10/check_router_time_8359f1f.txt), us, BLOCK_H 1024 ->
+        # whole row: Pro T=1 4.49 -> 3.96 (4 warps), T=2 4.99 -> 4.37 (8 warps); Flash T=1
+        # 2.87 -> 2.67, T=2 3.14 -> 2.96. At T = 4 the whole row exceeds 64 fp32 per thread
+        # (Flash T=4 with 8 warps: 3.45 vs 3.51, not taken).
+        warps = 4 if t == 1 else 8
+        return bt, 1, max(64, 1 << (h - 1).bit_length()), warps
     be = 1 if t == 1 else 2  # NOTE: T=1 Flash 3.71 -> 3.54 us, Pro 5.23 -> 5.11 with one gate row
     bh = max(64, min(1024, 8192 // (bt * be)))
     return bt, be, bh, 4
@@ -101,7 +111,7 @@ def router_logits_gemv(x: torch.Tensor, weight: torch.Tensor,
     out = torch.empty((t, e), dtype=torch.float32, device=x.device)
     if t == 0:
         return out
-    bt, be, bh, warps = blocks or gemv_blocks(t)
+    bt, be, bh, warps = blocks or gemv_blocks(t, h)
     x = x.contiguous()
     weight = weight.contiguous()
     _router_logits_kernel[(triton.cdiv(e, be), triton.cdiv(t, bt))](

@@ -114,6 +114,10 @@ def test_logits_gemv_blocks_cover_every_t():
         bt, be, bh, warps = gemv_blocks(t)
         assert bt & (bt - 1) == 0 and bt <= 8 and (bt >= t or bt == 8)
         assert bt * be * bh <= 8192 and bh >= 64 and warps == 4
+    for t, h in ((1, 4096), (1, 7168), (2, 7168), (2, 4096), (1, 64)):   # whole gate rows at T <= 2
+        bt, be, bh, warps = gemv_blocks(t, h)
+        assert be == 1 and bh >= h and bh < 2 * max(h, 64) and bt * bh <= 64 * 32 * warps, (t, h)
+    assert gemv_blocks(4, 7168) == gemv_blocks(4) and gemv_blocks(1, 16384) == gemv_blocks(1)
     x = torch.randn(0, 64).bfloat16()
     assert router_logits_gemv(x, torch.randn(8, 64).bfloat16()).shape == (0, 8)
 
