@@ -196,7 +196,7 @@ def time_router(budget_s, tokens=(1, 2, 4, 8, 16, 32, 64, 256, 1024)):
                 def fn3():
                     for c in range(copies):
                         router_logits_gemv(xs[c], ws[c])
-                res[f"gemv_only default {gemv_blocks(t)}"] = graph_us(fn3, inner=1) / copies
+                res[f"gemv_only default {gemv_blocks(t, h)}"] = graph_us(fn3, inner=1) / copies
 
                 def fn4():
                     for c in range(copies):
