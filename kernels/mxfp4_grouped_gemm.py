@@ -180,8 +180,12 @@ def _fail(name: str, t, expected: str) -> None:
 def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: torch.Tensor,
                        align: MoeAlignment, *, gather_a: bool, scatter_out: bool,
                        out: torch.Tensor | None = None, config: GemmConfig | None = None,
-                       layout: str = "nk") -> torch.Tensor:
-    """Grouped W4A8 GEMM over the blocks of `align`; see the module docstring for layouts."""
+                       layout: str = "nk", a_pairs: torch.Tensor | None = None) -> torch.Tensor:
+    """Grouped W4A8 GEMM over the blocks of `align`; see the module docstring for layouts.
+
+    `a_pairs` (optional, only with config.a_bf16): `bf16_pairs(q)` made by the caller (e.g.
+    by act_quant / swiglu_quant in the same kernel that wrote q), so no conversion runs here.
+    """
     if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.dtype != torch.float8_e4m3fn:
         _fail("q", q, "[M, K] float8_e4m3fn")
     m_a, k = q.shape
@@ -238,7 +242,15 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
     if cfg.a_bf16:
         if k % 128:
             raise ValueError(f"config.a_bf16=True: K={k} must be a multiple of 128")
-        q = bf16_pairs(q)
+        if a_pairs is None:
+            q = bf16_pairs(q)
+        elif (not isinstance(a_pairs, torch.Tensor) or a_pairs.dtype != torch.bfloat16
+              or a_pairs.shape != q.shape or a_pairs.stride() != (k, 1) or a_pairs.device != q.device):
+            _fail("a_pairs", a_pairs, f"a contiguous {list(q.shape)} bfloat16 tensor on {q.device} (bf16_pairs(q))")
+        else:
+            q = a_pairs
+    elif a_pairs is not None:
+        raise ValueError(f"a_pairs: given, but config.a_bf16 is False (config={cfg!r})")
     if cfg.kind != "tile":
         return _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz)
     grid = (align.max_blocks, triton.cdiv(n, cfg.block_n))
