@@ -223,7 +223,11 @@ class DeepseekV4MoE(_NativeBuffers):
         c = self.config
         topk_w, topk_ids = dispatch.select("router", ctx).impl(
             x, self.router, input_ids, c.num_experts_per_tok, c.routed_scaling_factor)
-        q, sa = dispatch.select("act_quant", ctx).impl(x)
+        routed = dispatch.select("routed_experts", ctx)
+        # bf16 activation pairs for the routed gate_up, written by act_quant itself (no
+        # conversion launch) when the routed GEMM config takes them at this T
+        pairs = routed.name == "triton" and stages.routed_wants_pairs(t * c.num_experts_per_tok, self.routed)
+        q, sa, *q_pairs = dispatch.select("act_quant", ctx).impl(x, pairs=pairs)
         side = self._side_stream(x.device)
         if side is None:
             shared = self.shared_experts.forward_quantised(q, sa, ctx)
@@ -233,8 +237,8 @@ class DeepseekV4MoE(_NativeBuffers):
             with torch.cuda.stream(side):
                 shared = self.shared_experts.forward_quantised(q, sa, ctx)
         swiglu = dispatch.select("swiglu_quant", ctx).name
-        y = dispatch.select("routed_experts", ctx).impl(q, sa, topk_w, topk_ids, self.routed, c.swiglu_limit,
-                                                        swiglu)
+        y = routed.impl(q, sa, topk_w, topk_ids, self.routed, c.swiglu_limit, swiglu,
+                        q_pairs=q_pairs[0] if q_pairs else None)
         if side is not None:  # join before the first reader of `shared`
             main.wait_stream(side)
             shared.record_stream(main)  # allocated on the side stream, freed after main reads it
@@ -304,7 +308,8 @@ class DeepseekV4MoE(_NativeBuffers):
         parts = []
         for gemm, cfg in zip(("gate_up", "down"), routed_configs(routes, self.routed)):
             extra = "".join([f", K split {cfg.split_k} ways" if cfg.split_k > 1 else "",
-                             ", bf16 activation pairs" if cfg.a_bf16 else "",
+                             (", bf16 activation pairs (written by act_quant)" if gemm == "gate_up" else
+                              ", bf16 activation pairs (written by swiglu_quant)") if cfg.a_bf16 else "",
                              f", {cfg.maxnreg}-register cap" if cfg.maxnreg else "",
                              f", K loop unrolled {cfg.unroll}x" if cfg.unroll > 1 and cfg.kind == "swap" else
                              f", {cfg.unroll} K blocks per step" if cfg.unroll > 1 else ""])

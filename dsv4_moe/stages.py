@@ -25,8 +25,14 @@ def router_reference(x, router, input_ids, top_k, scale):
     return R.route(x, router.weight, router.bias, router.tid2eid, input_ids, top_k, scale)
 
 
-def act_quant_reference(x):
-    return R.act_quant(x)
+def act_quant_reference(x, pairs=False):
+    q, s = R.act_quant(x)
+    if not pairs:
+        return q, s
+    # bf16(q) (exact) with each 128-column group as its 64 even then 64 odd columns
+    # (act_quant's "pairs" output, kernels/act_quant.py)
+    m, k = q.shape
+    return q, s, q.to(torch.bfloat16).view(m, k // 128, 64, 2).transpose(2, 3).reshape(m, k)
 
 
 def fp8_gemm_reference(q, sa, w, sw):
@@ -37,7 +43,7 @@ def swiglu_quant_reference(gate_up, limit):
     return R.swiglu_quant(gate_up, limit)
 
 
-def routed_experts_reference(q, sa, topk_w, topk_ids, routed, limit, swiglu="reference"):
+def routed_experts_reference(q, sa, topk_w, topk_ids, routed, limit, swiglu="reference", q_pairs=None):
     return R.routed_forward(q, sa, topk_w, topk_ids, routed, limit)
 
 
@@ -86,8 +92,8 @@ def act_quant_triton_supported(ctx: DispatchContext):
     return _importable("act_quant")
 
 
-def act_quant_triton(x):
-    return _kernel("act_quant").act_quant(x)
+def act_quant_triton(x, pairs=False):
+    return _kernel("act_quant").act_quant(x, pairs=pairs)
 
 
 def fp8_gemm_triton_supported(ctx: DispatchContext):
@@ -199,11 +205,17 @@ def routed_experts_triton_supported(ctx: DispatchContext):
     return _importable("routed_experts")
 
 
-def routed_experts_triton(q, sa, topk_w, topk_ids, routed, limit, swiglu="fused"):
+def routed_experts_triton(q, sa, topk_w, topk_ids, routed, limit, swiglu="fused", q_pairs=None):
     # the reference SwiGLU-quant is not a kernel: with swiglu_quant forced to "reference"
     # the routed GEMMs still use the fused kernel, which is bitwise the reference.
     return _kernel("routed_experts").routed_experts_forward(
-        q, sa, topk_w, topk_ids, routed, limit, "unfused" if swiglu == "unfused" else "fused")
+        q, sa, topk_w, topk_ids, routed, limit, "unfused" if swiglu == "unfused" else "fused", q_pairs=q_pairs)
+
+
+def routed_wants_pairs(num_routes, routed):
+    """Whether the triton routed path's gate_up takes bf16 activation pairs at this size
+    (then act_quant writes them: kernels/act_quant.py, pairs=True)."""
+    return _kernel("routed_experts").routed_configs(num_routes, routed)[0].a_bf16
 
 
 def finalize_fused_supported(ctx: DispatchContext):

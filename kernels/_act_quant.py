@@ -10,15 +10,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton_utils import interpreting, pdl_enter, pdl_options, quant_group_tile
+from ._triton_utils import e4m3_bytes_to_bf16, interpreting, pair_columns, pdl_enter, pdl_options, quant_group_tile
 
 
 @triton.jit
 def _act_quant_kernel(
-    x_ptr, q_ptr, s_ptr,
+    x_ptr, q_ptr, s_ptr, p_ptr,
     M, M_S, K,
-    stride_xm, stride_qm, stride_sm, stride_sg,
+    stride_xm, stride_qm, stride_sm, stride_sg, stride_pm,
     SCALE_FMT: tl.constexpr, BLOCK_M: tl.constexpr, SOFTWARE: tl.constexpr,
+    PAIRS: tl.constexpr = False,  # also write bf16(q) in the "pairs" layout (K % 128 == 0)
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
 ):
     pdl_enter(PDL)
@@ -30,11 +31,15 @@ def _act_quant_kernel(
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     q, s_store = quant_group_tile(x, SCALE_FMT, SOFTWARE)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
+    if PAIRS:
+        tl.store(p_ptr + rows[:, None] * stride_pm + (g * 128 + pair_columns())[None, :],
+                 e4m3_bytes_to_bf16(q, SOFTWARE), mask=mask)
     tl.store(s_ptr + rows * stride_sm + g * stride_sg, s_store, mask=rows < M_S)
 
 
-def launch_act_quant(x, q_u8, s, m_s: int, scale_fmt_code: int) -> None:
-    """x [M, K] bf16 (unit column stride), q_u8 [M, K] uint8 view, s [M_S, G] any strides."""
+def launch_act_quant(x, q_u8, s, m_s: int, scale_fmt_code: int, pairs=None) -> None:
+    """x [M, K] bf16 (unit column stride), q_u8 [M, K] uint8 view, s [M_S, G] any strides,
+    pairs None or [M, K] bf16 (unit column stride, K % 128 == 0)."""
     m, k = x.shape
     g = triton.cdiv(k, 128)
     # NOTE: 4 rows x 128 cols = 512 elements per program: big enough for 16-byte loads with
@@ -43,8 +48,9 @@ def launch_act_quant(x, q_u8, s, m_s: int, scale_fmt_code: int) -> None:
     block_m = 1 if m_s <= 16 else 4
     grid = (triton.cdiv(m_s, block_m), g)
     _act_quant_kernel[grid](
-        x, q_u8, s, m, m_s, k,
-        x.stride(0), q_u8.stride(0), s.stride(0), s.stride(1),
-        SCALE_FMT=scale_fmt_code, BLOCK_M=block_m, SOFTWARE=interpreting(), num_warps=1 if block_m == 1 else 2,
+        x, q_u8, s, pairs if pairs is not None else x, m, m_s, k,
+        x.stride(0), q_u8.stride(0), s.stride(0), s.stride(1), pairs.stride(0) if pairs is not None else 0,
+        SCALE_FMT=scale_fmt_code, BLOCK_M=block_m, SOFTWARE=interpreting(), PAIRS=pairs is not None,
+        num_warps=1 if block_m == 1 else 2,
         **pdl_options(x.device),
     )

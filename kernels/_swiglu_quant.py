@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._triton_utils import interpreting, pdl_enter, pdl_options, quant_group_tile, round_to_bf16
+from ._triton_utils import (e4m3_bytes_to_bf16, interpreting, pair_columns, pdl_enter, pdl_options, quant_group_tile,
+                            round_to_bf16)
 
 # NOTE: measured on the H200 (2026-11-29, session 3, docs/bench/2026-11-29/session3/):
 # with 4 programs per SM ncu showed 23 % achieved occupancy and 36 % of DRAM peak at
@@ -70,10 +71,10 @@ def _swiglu_load(gu_ptr, rw_ptr, ids_ptr, map_ptr, rows, g, M, I, stride_gm,
 
 @triton.jit
 def _swiglu_compute_store(
-    gate, up, w, ok, q_ptr, s_ptr,
+    gate, up, w, ok, q_ptr, s_ptr, p_ptr,
     rows, g, M, M_S, I, limit,
-    stride_qm, stride_sm, stride_sg,
-    SCALE_FMT: tl.constexpr, HAS_RW: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
+    stride_qm, stride_sm, stride_sg, stride_pm,
+    SCALE_FMT: tl.constexpr, HAS_RW: tl.constexpr, USE_LIBDEVICE: tl.constexpr, PAIRS: tl.constexpr,
 ):
     cols = g * 128 + tl.arange(0, 128)
     mask = ok[:, None] & (cols < I)[None, :]
@@ -90,6 +91,9 @@ def _swiglu_compute_store(
     hb = round_to_bf16(h, not USE_LIBDEVICE)
     q, s_store = quant_group_tile(hb, SCALE_FMT, not USE_LIBDEVICE)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
+    if PAIRS:  # bf16(q) in the "pairs" layout (act_quant's pairs output; I % 128 == 0)
+        tl.store(p_ptr + rows[:, None] * stride_pm + (g * 128 + pair_columns())[None, :],
+                 e4m3_bytes_to_bf16(q, not USE_LIBDEVICE), mask=mask)
     # Rows M..M_S-1 (padded column-major scales) write the scale of an all-zero group.
     s_mask = ok | ((rows >= M) & (rows < M_S))
     tl.store(s_ptr + rows * stride_sm + g * stride_sg, s_store, mask=s_mask)
@@ -97,11 +101,11 @@ def _swiglu_compute_store(
 
 @triton.jit
 def _swiglu_quant_group_kernel(
-    gu_ptr, q_ptr, s_ptr, rw_ptr, ids_ptr, map_ptr,
+    gu_ptr, q_ptr, s_ptr, rw_ptr, ids_ptr, map_ptr, p_ptr,
     M, M_S, I, limit,
-    stride_gm, stride_qm, stride_sm, stride_sg,
+    stride_gm, stride_qm, stride_sm, stride_sg, stride_pm,
     SCALE_FMT: tl.constexpr, HAS_RW: tl.constexpr, HAS_IDS: tl.constexpr, HAS_MAP: tl.constexpr,
-    USE_LIBDEVICE: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr, PAIRS: tl.constexpr = False,
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
 ):
     pdl_enter(PDL)
@@ -110,17 +114,18 @@ def _swiglu_quant_group_kernel(
     rows = row + tl.arange(0, 1)
     gate, up, w, ok = _swiglu_load(gu_ptr, rw_ptr, ids_ptr, map_ptr, rows, g, M, I, stride_gm,
                                    HAS_RW, HAS_IDS, HAS_MAP)
-    _swiglu_compute_store(gate, up, w, ok, q_ptr, s_ptr, rows, g, M, M_S, I, limit,
-                          stride_qm, stride_sm, stride_sg, SCALE_FMT, HAS_RW, USE_LIBDEVICE)
+    _swiglu_compute_store(gate, up, w, ok, q_ptr, s_ptr, p_ptr, rows, g, M, M_S, I, limit,
+                          stride_qm, stride_sm, stride_sg, stride_pm, SCALE_FMT, HAS_RW, USE_LIBDEVICE, PAIRS)
 
 
 @triton.jit
 def _swiglu_quant_persistent_kernel(
-    gu_ptr, q_ptr, s_ptr, rw_ptr, ids_ptr, map_ptr,
+    gu_ptr, q_ptr, s_ptr, rw_ptr, ids_ptr, map_ptr, p_ptr,
     M, M_S, I, limit, row_blocks,
-    stride_gm, stride_qm, stride_sm, stride_sg,
+    stride_gm, stride_qm, stride_sm, stride_sg, stride_pm,
     SCALE_FMT: tl.constexpr, HAS_RW: tl.constexpr, HAS_IDS: tl.constexpr, HAS_MAP: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr, BLOCK_M: tl.constexpr, PREFETCH: tl.constexpr = False,
+    PAIRS: tl.constexpr = False,
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
 ):
     pdl_enter(PDL)
@@ -142,29 +147,30 @@ def _swiglu_quant_persistent_kernel(
             nrows = rows + nprog * BLOCK_M   # past M_S on the last lap: masked, nothing read
             gate_n, up_n, w_n, ok_n = _swiglu_load(gu_ptr, rw_ptr, ids_ptr, map_ptr, nrows, g, M, I, stride_gm,
                                                    HAS_RW, HAS_IDS, HAS_MAP)
-            _swiglu_compute_store(gate, up, w, ok, q_ptr, s_ptr, rows, g, M, M_S, I, limit,
-                                  stride_qm, stride_sm, stride_sg, SCALE_FMT, HAS_RW, USE_LIBDEVICE)
+            _swiglu_compute_store(gate, up, w, ok, q_ptr, s_ptr, p_ptr, rows, g, M, M_S, I, limit,
+                                  stride_qm, stride_sm, stride_sg, stride_pm, SCALE_FMT, HAS_RW, USE_LIBDEVICE, PAIRS)
             gate, up, w, ok = gate_n, up_n, w_n, ok_n
     else:
         for rb in range(pid, row_blocks, nprog):
             rows = (rb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
             gate, up, w, ok = _swiglu_load(gu_ptr, rw_ptr, ids_ptr, map_ptr, rows, g, M, I, stride_gm,
                                            HAS_RW, HAS_IDS, HAS_MAP)
-            _swiglu_compute_store(gate, up, w, ok, q_ptr, s_ptr, rows, g, M, M_S, I, limit,
-                                  stride_qm, stride_sm, stride_sg, SCALE_FMT, HAS_RW, USE_LIBDEVICE)
+            _swiglu_compute_store(gate, up, w, ok, q_ptr, s_ptr, p_ptr, rows, g, M, M_S, I, limit,
+                                  stride_qm, stride_sm, stride_sg, stride_pm, SCALE_FMT, HAS_RW, USE_LIBDEVICE, PAIRS)
 
 
 def launch_swiglu_quant(gate_up, q_u8, s, rw, ids, emap, m_s: int, limit: float,
-                        scale_fmt_code: int, strategy: str, num_sms: int) -> None:
+                        scale_fmt_code: int, strategy: str, num_sms: int, pairs=None) -> None:
     m = gate_up.shape[0]
     i = gate_up.shape[1] // 2
     g = triton.cdiv(i, 128)
     dummy = gate_up  # never dereferenced when the matching HAS_* flag is False
     args = (gate_up, q_u8, s, rw if rw is not None else dummy, ids if ids is not None else dummy,
-            emap if emap is not None else dummy)
+            emap if emap is not None else dummy, pairs if pairs is not None else dummy)
     flags = dict(SCALE_FMT=scale_fmt_code, HAS_RW=rw is not None, HAS_IDS=ids is not None,
-                 HAS_MAP=emap is not None, USE_LIBDEVICE=not interpreting())
-    strides = (gate_up.stride(0), q_u8.stride(0), s.stride(0), s.stride(1))
+                 HAS_MAP=emap is not None, USE_LIBDEVICE=not interpreting(), PAIRS=pairs is not None)
+    strides = (gate_up.stride(0), q_u8.stride(0), s.stride(0), s.stride(1),
+               pairs.stride(0) if pairs is not None else 0)
     if strategy == "group":
         _swiglu_quant_group_kernel[(m_s, g)](*args, m, m_s, i, float(limit), *strides, **flags, num_warps=1,
                                              **pdl_options(gate_up.device))

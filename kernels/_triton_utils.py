@@ -148,6 +148,31 @@ def cast_e4m3_bytes(y, SOFTWARE: tl.constexpr):
 
 
 @triton.jit
+def e4m3_bytes_to_bf16(q, SOFTWARE: tl.constexpr):
+    """e4m3 bytes (uint8) -> bf16, exact (every e4m3 value is a bf16 value; NaN -> NaN).
+    SOFTWARE=True (interpreter, whose fp8 casts are wrong): the value built in fp32 from
+    the bits (normal (8 + m) * 2^(e - 10), subnormal m * 2^-9), then cast (exact)."""
+    if SOFTWARE:
+        b = q.to(tl.int32)
+        e = (b >> 3) & 0xF
+        m = (b & 7).to(tl.float32)
+        mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * ((e + 117) << 23).to(tl.float32, bitcast=True))
+        mag = tl.where((b & 0x7F) == 0x7F, float("nan"), mag)
+        signed = mag.to(tl.int32, bitcast=True) | ((b & 0x80) << 24)  # the sign on the bits: -0.0 stays
+        return signed.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    else:
+        return q.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def pair_columns():
+    """Column c of a 128-group -> its place in the "pairs" layout: the 64 even columns,
+    then the 64 odd ones ((c % 2) * 64 + c // 2; what `bf16_pairs` writes)."""
+    c = tl.arange(0, 128)
+    return (c % 2) * 64 + c // 2
+
+
+@triton.jit
 def quant_group_tile(x, SCALE_FMT: tl.constexpr, SOFTWARE: tl.constexpr):
     """Quantise a [R, 128] fp32 tile (exact bf16 values; masked entries must be 0.0).
 

@@ -15,6 +15,11 @@ Scale formats (`scale_fmt`), all [M, G] with G = ceil(K/128):
     "amax"     float32            row-major, plain amax / 448 (not a power of two), for
                                   consumers that do not want UE8M0 scales
 
+`pairs=True` also returns bf16(q) (exact) with each 128-column group stored as its 64 even
+columns, then its 64 odd ones ("pairs" layout, K % 128 == 0): the second operand the
+routed MXFP4 swap GEMM loads as is (GemmConfig.a_bf16), written by the same kernel
+instead of a separate conversion launch.
+
 Triton is imported lazily (on the first call), so importing this module never needs it.
 """
 
@@ -24,7 +29,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["act_quant", "alloc_scales", "check_scales_out", "scale_fmt_code", "padded_rows"]
+__all__ = ["act_quant", "alloc_scales", "check_scales_out", "check_pairs_out", "scale_fmt_code", "padded_rows"]
 
 _BLOCK = 128
 
@@ -72,14 +77,30 @@ def check_scales_out(out_s: torch.Tensor, m: int, g: int, scale_fmt: str, device
                          f"scale_fmt={scale_fmt!r}")
 
 
+def check_pairs_out(out_pairs: Optional[torch.Tensor], m: int, k: int, device, fn: str,
+                    dim: str = "K") -> torch.Tensor:
+    """A [M, K] bf16 buffer for the "pairs" output (allocated when out_pairs is None)."""
+    if k % _BLOCK:
+        raise ValueError(f"{fn}: pairs=True needs {dim} % {_BLOCK} == 0 (whole 128-column groups), got {dim}={k}")
+    if out_pairs is None:
+        return torch.empty(m, k, dtype=torch.bfloat16, device=device)
+    if (not isinstance(out_pairs, torch.Tensor) or out_pairs.dtype != torch.bfloat16
+            or tuple(out_pairs.shape) != (m, k) or (m and out_pairs.stride(1) != 1)
+            or out_pairs.device.type != torch.device(device).type):
+        raise ValueError(f"{fn}: out_pairs must be bfloat16 {(m, k)} with unit column stride on {device}, got "
+                         f"{getattr(out_pairs, 'dtype', type(out_pairs).__name__)} "
+                         f"{tuple(getattr(out_pairs, 'shape', ()))}")
+    return out_pairs
+
+
 def _scales_as_store_view(s: torch.Tensor) -> torch.Tensor:
     # Triton has no e8m0 pointer type: store bytes through a uint8 view.
     return s.view(torch.uint8) if s.dtype == torch.float8_e8m0fnu else s
 
 
 def act_quant(x: torch.Tensor, *, scale_fmt: str = "fp32",
-              out_q: Optional[torch.Tensor] = None, out_s: Optional[torch.Tensor] = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              out_q: Optional[torch.Tensor] = None, out_s: Optional[torch.Tensor] = None,
+              pairs: bool = False, out_pairs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
     """Quantise activations to FP8 e4m3 with one scale per 128 columns (Triton).
 
     Args:
@@ -88,9 +109,12 @@ def act_quant(x: torch.Tensor, *, scale_fmt: str = "fp32",
         scale_fmt  str      "fp32" | "e8m0" | "fp32_cm" | "amax" (module docstring)
         out_q      [M, K]   float8_e4m3fn, optional preallocated output
         out_s      scales   optional preallocated output, exactly the format's layout
+        pairs      bool     also return bf16(q) in the "pairs" layout (module docstring)
+        out_pairs  [M, K]   bfloat16, optional preallocated pairs output (with pairs=True)
     Returns:
         q          [M, K]   float8_e4m3fn
         s          [M, G] (or [M4, G] for "fp32_cm")  see the module docstring
+        p          [M, K]   bfloat16, only with pairs=True
     M = 0 returns empty outputs without a launch.
     """
     fn = "act_quant"
@@ -115,10 +139,13 @@ def act_quant(x: torch.Tensor, *, scale_fmt: str = "fp32",
         out_s = alloc_scales(m, g, scale_fmt, x.device)
     else:
         check_scales_out(out_s, m, g, scale_fmt, x.device, fn)
+    if out_pairs is not None and not pairs:
+        raise ValueError(f"{fn}: out_pairs given with pairs=False")
+    p = check_pairs_out(out_pairs, m, k, x.device, fn) if pairs else None
     m_s = out_s.shape[0]
     if m_s == 0:
-        return out_q, out_s
+        return (out_q, out_s, p) if pairs else (out_q, out_s)
     from ._act_quant import launch_act_quant
 
-    launch_act_quant(x, out_q.view(torch.uint8), _scales_as_store_view(out_s), m_s, code)
-    return out_q, out_s
+    launch_act_quant(x, out_q.view(torch.uint8), _scales_as_store_view(out_s), m_s, code, p)
+    return (out_q, out_s, p) if pairs else (out_q, out_s)

@@ -51,15 +51,29 @@ def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmCo
         down = gemv_config(i)
     if down.block_m != up.block_m:
         down = dataclasses.replace(down, block_m=up.block_m)
-    # NOTE: gate_up's activations as bf16 [even | odd] pairs (GemmConfig.a_bf16; bitwise the
-    # fp8 operand). H200 probe, session 5 (docs/bench/2026-11-29/session5/probe_swz_4b8412e.txt,
-    # "mma64" swap, conversion by torch included, us): Flash gate_up T=16 340.8 -> 308.6,
-    # T=1024 1459.6 -> 1338.9; Pro-TP8 gate_up T=16 150.3 -> 141.1, T=1024 675.0 -> 653.3.
-    # Not at T <= 4 (split-K decode: level or slower unsplit) and not for down (Pro-TP8 down
-    # T=16 82.2 -> 113.5, T=1024 484.4 -> 744.8).
+    # NOTE: bf16 activation pairs (GemmConfig.a_bf16: each 128-block as its 64 even then 64
+    # odd k, bitwise the fp8 operand) written by the kernel that makes the fp8 activations
+    # (act_quant / swiglu_quant with pairs=True; routed_experts_forward's q_pairs), so no
+    # conversion launch. H200 probe, session 11 (docs/bench/2026-11-29/session11/
+    # probe_swz_pairs_*.txt, "mma64", graphs, us, fp8 -> bf16 pairs, bitwise):
+    #   gate_up, unsplit swap from 0.05 routes per expert: Flash T=4 104.6 -> 95.4, T=16
+    #     309.9 -> 274.6, T=64 794.9 -> 693.2, T=1024 (32 rows) 1398.4 -> 1211.0; Pro-TP8
+    #     T=16 119.2 -> 107.4, T=256 475.0 -> 412.0 (not split-K decode: Flash T=1 37.0 -> 41.8)
+    #   down, K = I >= 2048 from 0.2 routes per expert: Flash T=16 160.5 -> 138.3, T=64
+    #     379.1 -> 329.4, T=256 482.5 -> 416.3, T=1024 743.3 -> 611.4 (32 rows, unrolled
+    #     twice; 658.8 not); not at T=4 (51.9 -> 52.3) and not the short-K Pro-TP8 down
+    #     at T <= 256 (fp8 with the cap below: level)
+    #   Pro-TP8 (K = I/tp <= 1024) in the 32-row band (T = 1024): 16-row blocks for both
+    #     GEMMs with pairs, down 498.8 (32 rows, fp8) -> 416.9, gate_up 644.5 -> 564.3.
     rows = num_routes / max(routed.num_local, 1)
-    if up.kind == "swap" and up.split_k == 1 and routed.layout == "mma64" and rows >= 0.2 and h % 128 == 0:
+    mma64 = routed.layout == "mma64"
+    if mma64 and i <= 1024 and up.kind == "swap" and up.block_m == 32 and h % 128 == 0 and i % 128 == 0:
+        pairs = GemmConfig(16, 128, 4, 4, kind="swap", asm=True, a_bf16=True)
+        return pairs, pairs
+    if up.kind == "swap" and up.split_k == 1 and mma64 and rows >= 0.05 and h % 128 == 0:
         up = dataclasses.replace(up, a_bf16=True)
+    if down.kind == "swap" and down.split_k == 1 and mma64 and i >= 2048 and i % 128 == 0 and rows >= 0.2:
+        down = dataclasses.replace(down, a_bf16=True, unroll=2 if down.block_m == 32 else 1)
     # NOTE: the short-K down GEMM (Pro-TP8: K = I/tp = 384, three 128-blocks) on the swap
     # body: the K loop unrolled twice (fewer pipeline barriers per block) and, for 16-row
     # blocks from 0.05 routes per expert, a 128-register cap (147 -> 128 registers, 3 -> 4
@@ -72,7 +86,7 @@ def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmCo
     # The cap alone (session 6, probe_swz_regs_b805197.txt): Pro-TP8 down T=4 25.1 -> 23.9,
     # T=16 80.6 -> 78.5, T=64 206.9 -> 195.6, T=256 314.2 -> 303.2; every gate_up level or
     # slower.
-    if down.kind == "swap" and routed.layout == "mma64" and i <= 1024:
+    if down.kind == "swap" and mma64 and i <= 1024:
         down = dataclasses.replace(down, unroll=2,
                                    maxnreg=128 if rows >= 0.05 and down.block_m == 16 else None)
     return up, down
@@ -81,11 +95,14 @@ def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmCo
 def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torch.Tensor,
                            topk_ids: torch.Tensor, routed: RoutedExpertWeights, limit: float,
                            swiglu: str = "fused", *, configs: tuple[GemmConfig, GemmConfig] | None = None,
-                           return_alignment: bool = False):
+                           return_alignment: bool = False, q_pairs: torch.Tensor | None = None):
     """y [T, k, H] bf16 for every local route (see the module docstring).
 
     `swiglu` picks the SwiGLU-quant between the GEMMs: "fused" (one kernel) or "unfused"
     (its bitwise twin, the bf16 activation materialised) - the A/B of SPEC §5.1.
+    `q_pairs`: act_quant(x, pairs=True)'s third output (bf16(q) in the "pairs" layout),
+    used by gate_up when its config takes bf16 activations (else the GEMM converts q
+    itself, one more launch); the down GEMM's pairs come from swiglu_quant.
     """
     if swiglu not in ("fused", "unfused"):
         raise ValueError(f"swiglu={swiglu!r}: expected 'fused' or 'unfused'")
@@ -114,17 +131,19 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
     from .swiglu_quant import swiglu_quant, swiglu_quant_unfused  # SPEC §5.1
 
     gu = mxfp4_grouped_gemm(q, sa, routed.gate_up, routed.gate_up_scale, align,
-                            gather_a=True, scatter_out=False, config=cfg_up, layout=routed.layout)
+                            gather_a=True, scatter_out=False, config=cfg_up, layout=routed.layout,
+                            a_pairs=q_pairs if cfg_up.a_bf16 else None)
     # NOTE: the persistent strategy loops to a runtime bound, which the Triton interpreter
     # (numpy 2) cannot run; under TRITON_INTERPRET use the one-program-per-group strategy
     # (same numerics: both are bitwise the reference swiglu_quant).
     if swiglu == "fused":
         strategy = "group" if _interpreting() else None
-        hq, hs = swiglu_quant(gu, limit=float(limit), route_weight=align.row_weight,
-                              expert_ids=align.row_expert, strategy=strategy)
+        hq, hs, *hp = swiglu_quant(gu, limit=float(limit), route_weight=align.row_weight,
+                                   expert_ids=align.row_expert, strategy=strategy, pairs=cfg_down.a_bf16)
     else:
-        hq, hs = swiglu_quant_unfused(gu, limit=float(limit), route_weight=align.row_weight,
-                                      expert_ids=align.row_expert)
+        hq, hs, *hp = swiglu_quant_unfused(gu, limit=float(limit), route_weight=align.row_weight,
+                                           expert_ids=align.row_expert, pairs=cfg_down.a_bf16)
     mxfp4_grouped_gemm(hq, hs, routed.down, routed.down_scale, align,
-                       gather_a=False, scatter_out=True, out=y, config=cfg_down, layout=routed.layout)
+                       gather_a=False, scatter_out=True, out=y, config=cfg_down, layout=routed.layout,
+                       a_pairs=hp[0] if hp else None)
     return (y.view(t, k, h), align) if return_alignment else y.view(t, k, h)

@@ -9,6 +9,9 @@ activation h is never written to memory:
     h = h * route_weight[row]                    # optional (routed experts, before w2)
     q, s = act_quant(bf16(h))                    # §4.2, scale_fmt as in act_quant
 
+`pairs=True` also writes bf16(q) in act_quant's "pairs" layout (the routed down GEMM's
+second operand with GemmConfig.a_bf16; I % 128 == 0); skipped rows keep its bytes too.
+
 Row filtering (routed experts under EP): rows with expert_ids[row] == -1, or with
 expert_map[expert_ids[row]] == -1, are skipped: their q rows and scales are left
 untouched (pass out_q / out_s to keep what was there).
@@ -25,7 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .act_quant import act_quant, alloc_scales, check_scales_out, scale_fmt_code
+from .act_quant import act_quant, alloc_scales, check_pairs_out, check_scales_out, scale_fmt_code
 
 __all__ = ["swiglu_quant", "swiglu_quant_unfused", "choose_strategy", "PERSISTENT_MIN_ELEMENTS"]
 
@@ -105,13 +108,20 @@ def _outputs(fn, m, i, scale_fmt, device, out_q, out_s):
     return out_q, out_s
 
 
+def _pairs_out(fn, pairs, out_pairs, m, i, device):
+    if out_pairs is not None and not pairs:
+        raise ValueError(f"{fn}: out_pairs given with pairs=False")
+    return check_pairs_out(out_pairs, m, i, device, fn, dim="I") if pairs else None
+
+
 def swiglu_quant(gate_up: torch.Tensor, *, limit: float = 10.0,
                  route_weight: Optional[torch.Tensor] = None,
                  expert_ids: Optional[torch.Tensor] = None,
                  expert_map: Optional[torch.Tensor] = None,
                  scale_fmt: str = "fp32",
                  out_q: Optional[torch.Tensor] = None, out_s: Optional[torch.Tensor] = None,
-                 strategy: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 strategy: Optional[str] = None, pairs: bool = False,
+                 out_pairs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
     """Fused clamped SwiGLU + FP8 group quant (one Triton launch; none when M = 0).
 
     Args:
@@ -123,16 +133,20 @@ def swiglu_quant(gate_up: torch.Tensor, *, limit: float = 10.0,
         scale_fmt     str      "fp32" | "e8m0" | "fp32_cm" | "amax" (see act_quant)
         out_q, out_s           optional preallocated outputs (skipped rows keep their bytes)
         strategy      str      None (choose_strategy) | "group" | "persistent"
+        pairs         bool     also return bf16(q) in the "pairs" layout (act_quant)
+        out_pairs     [M, I]   bfloat16, optional preallocated pairs output (pairs=True)
     Returns:
-        q  [M, I] float8_e4m3fn;  s  scales in `scale_fmt`'s layout, G = ceil(I/128)
+        q  [M, I] float8_e4m3fn;  s  scales in `scale_fmt`'s layout, G = ceil(I/128);
+        p  [M, I] bfloat16, only with pairs=True
     """
     fn = "swiglu_quant"
     code = scale_fmt_code(scale_fmt, fn)
     m, i = _check_inputs(fn, gate_up, route_weight, expert_ids, expert_map)
     out_q, out_s = _outputs(fn, m, i, scale_fmt, gate_up.device, out_q, out_s)
+    p = _pairs_out(fn, pairs, out_pairs, m, i, gate_up.device)
     m_s = out_s.shape[0]
     if m_s == 0:
-        return out_q, out_s
+        return (out_q, out_s, p) if pairs else (out_q, out_s)
     if strategy is None:
         strategy = choose_strategy(m, i, expert_ids is not None)
     if strategy not in ("group", "persistent"):
@@ -143,8 +157,8 @@ def swiglu_quant(gate_up: torch.Tensor, *, limit: float = 10.0,
                if gate_up.device.type == "cuda" else 4)
     s_view = out_s.view(torch.uint8) if out_s.dtype == torch.float8_e8m0fnu else out_s
     launch_swiglu_quant(gate_up, out_q.view(torch.uint8), s_view, route_weight, expert_ids, expert_map,
-                        m_s, limit, code, strategy, num_sms)
-    return out_q, out_s
+                        m_s, limit, code, strategy, num_sms, p)
+    return (out_q, out_s, p) if pairs else (out_q, out_s)
 
 
 def swiglu_quant_unfused(gate_up: torch.Tensor, *, limit: float = 10.0,
@@ -152,8 +166,9 @@ def swiglu_quant_unfused(gate_up: torch.Tensor, *, limit: float = 10.0,
                          expert_ids: Optional[torch.Tensor] = None,
                          expert_map: Optional[torch.Tensor] = None,
                          scale_fmt: str = "fp32",
-                         out_q: Optional[torch.Tensor] = None, out_s: Optional[torch.Tensor] = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         out_q: Optional[torch.Tensor] = None, out_s: Optional[torch.Tensor] = None,
+                         pairs: bool = False, out_pairs: Optional[torch.Tensor] = None
+                         ) -> tuple[torch.Tensor, ...]:
     """The unfused twin of `swiglu_quant` (same arguments and outputs, no `strategy`):
     separate torch ops with the bf16 activation materialised, then the Triton
     `act_quant`; filtered rows are copied out with torch indexing. Bitwise equal to the
@@ -162,8 +177,10 @@ def swiglu_quant_unfused(gate_up: torch.Tensor, *, limit: float = 10.0,
     scale_fmt_code(scale_fmt, fn)
     m, i = _check_inputs(fn, gate_up, route_weight, expert_ids, expert_map)
     out_q, out_s = _outputs(fn, m, i, scale_fmt, gate_up.device, out_q, out_s)
+    p = _pairs_out(fn, pairs, out_pairs, m, i, gate_up.device)
+    ret = (out_q, out_s, p) if pairs else (out_q, out_s)
     if out_s.shape[0] == 0:
-        return out_q, out_s
+        return ret
     g = gate_up[:, :i].float()
     u = gate_up[:, i:].float()
     u = torch.clamp(u, -limit, limit)
@@ -173,14 +190,16 @@ def swiglu_quant_unfused(gate_up: torch.Tensor, *, limit: float = 10.0,
         h = h * route_weight[:, None]
     hb = h.to(torch.bfloat16)
     if expert_ids is None:
-        act_quant(hb, scale_fmt=scale_fmt, out_q=out_q, out_s=out_s)
-        return out_q, out_s
-    q, s = act_quant(hb, scale_fmt=scale_fmt)
+        act_quant(hb, scale_fmt=scale_fmt, out_q=out_q, out_s=out_s, pairs=pairs, out_pairs=p)
+        return ret
+    q, s, *qp = act_quant(hb, scale_fmt=scale_fmt, pairs=pairs)
     keep = expert_ids >= 0
     if expert_map is not None:
         keep = keep & (expert_map[expert_ids.clamp_min(0).long()] >= 0)
     # torch.where keeps the launch count fixed (CUDA-graph friendly, no host sync).
     out_q.view(torch.uint8).copy_(torch.where(keep[:, None], q.view(torch.uint8), out_q.view(torch.uint8)))
+    if pairs:
+        p.copy_(torch.where(keep[:, None], qp[0], p))
     s_rows = out_s[:m]
     keep_s = keep[:, None]
     if out_s.dtype == torch.float8_e8m0fnu:
@@ -189,4 +208,4 @@ def swiglu_quant_unfused(gate_up: torch.Tensor, *, limit: float = 10.0,
         s_rows.copy_(torch.where(keep_s, s[:m], s_rows))
         if out_s.shape[0] > m:  # padded rows of "fp32_cm": the all-zero-group scale, as fused
             out_s[m:].copy_(s[m:])
-    return out_q, out_s
+    return ret

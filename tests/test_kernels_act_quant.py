@@ -129,6 +129,52 @@ def test_wrapper_errors_name_the_argument():
     assert aq_mod.padded_rows(5) == 8
 
 
+def _pairs_of(q):
+    """bf16(q) with each 128-column group as its 64 even then 64 odd columns (torch)."""
+    m, k = q.shape
+    return q.float().bfloat16().view(m, k // 128, 64, 2).transpose(2, 3).reshape(m, k)
+
+
+@pytest.mark.parametrize("shape", [(1, 128), (5, 384), (3, 256)])
+def test_pairs_output_bitwise(shape):
+    """pairs=True: the same codes and scales, plus bf16(q) in the "pairs" layout, bit for
+    bit (subnormal codes, -0.0 and NaN included); the reference stage makes the same."""
+    from dsv4_moe import stages
+
+    torch.manual_seed(shape[1])
+    x = (torch.randn(shape) * torch.logspace(-4, 2, shape[1])[None, :]).bfloat16()
+    x[0, :3] = torch.tensor([-0.0, 1e-30, float("nan")])  # -0 code, subnormal code, NaN
+    if shape[0] > 1:
+        x[1, 5] = float("inf")  # inf scale: the whole group quantises to +-0
+    q, s, p = act_quant(x.to(DEV), pairs=True)
+    q0, s0 = act_quant(x.to(DEV))
+    assert_bytes_equal(q, q0, "codes")
+    assert_bytes_equal(s, s0, "scales")
+    assert p.dtype == torch.bfloat16 and p.shape == shape and p.is_contiguous()
+    want = _pairs_of(q.cpu())
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(p.cpu()), nan)
+    assert_bytes_equal(p.cpu()[~nan], want[~nan], "pairs")
+    rq, rs, rp = stages.act_quant_reference(x, pairs=True)
+    assert torch.equal(rp.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    out = torch.full(shape, 7.0, dtype=torch.bfloat16, device=DEV)
+    assert act_quant(x.to(DEV), pairs=True, out_pairs=out)[2] is out
+    assert_bytes_equal(out.cpu()[~nan], want[~nan], "pairs into out_pairs")
+
+
+def test_pairs_errors_and_m0():
+    with pytest.raises(ValueError, match="pairs=True needs K % 128 == 0.*K=200"):
+        act_quant(torch.zeros(2, 200, dtype=torch.bfloat16, device=DEV), pairs=True)
+    with pytest.raises(ValueError, match="out_pairs given with pairs=False"):
+        act_quant(torch.zeros(2, 128, dtype=torch.bfloat16, device=DEV),
+                  out_pairs=torch.empty(2, 128, dtype=torch.bfloat16, device=DEV))
+    with pytest.raises(ValueError, match="out_pairs must be bfloat16"):
+        act_quant(torch.zeros(2, 128, dtype=torch.bfloat16, device=DEV), pairs=True,
+                  out_pairs=torch.empty(2, 128, device=DEV))
+    q, s, p = act_quant(torch.empty(0, 256, dtype=torch.bfloat16, device=DEV), pairs=True)
+    assert p.shape == (0, 256) and p.dtype == torch.bfloat16
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="hardware e4m3 cast is checked on a CUDA device")
 def test_gpu_large_random_bitwise():
     torch.manual_seed(0)

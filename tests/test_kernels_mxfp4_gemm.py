@@ -375,28 +375,37 @@ def test_mma64_guards_and_select_config():
         return torch.zeros(1, 1, 1, dtype=torch.uint8).expand(*sz)
     pro_tp8 = RoutedExpertWeights(shape(384, 768, 3584), shape(384, 768, 224), shape(384, 7168, 192),
                                   shape(384, 7168, 12), first_expert=0, num_experts=384, layout="mma64")
-    for t in (1, 2, 4, 16, 256, 1024, 4096):
+    for t in (1, 2, 4, 16, 256, 4096):
         up, down = routed_configs(t * 6, pro_tp8)
         assert up.block_m == down.block_m and up.kind != "gemv" and down.kind != "gemv", (t, up, down)
-        # bf16 activation pairs: gate_up's unsplit swap body from 0.2 rows per expert, never down
-        assert up.a_bf16 == (up.kind == "swap" and up.split_k == 1 and t * 6 / 384 >= 0.2), (t, up)
+        # bf16 activation pairs (written by act_quant): gate_up's unsplit swap body from
+        # 0.05 rows per expert; the short-K down keeps fp8 below the 32-row band (level there)
+        assert up.a_bf16 == (up.kind == "swap" and up.split_k == 1 and t * 6 / 384 >= 0.05), (t, up)
         assert not down.a_bf16
     assert routed_configs(16 * 6, pro_tp8)[0].a_bf16 and not routed_configs(4 * 6, pro_tp8)[0].a_bf16
     # the short-K down swap body: K loop unrolled twice; a register cap on 16-row blocks
-    # from 0.05 routes per expert, never on the 32-row blocks of T = 1024 (probes of
-    # sessions 6 and 10)
-    for t in (1, 4, 16, 256, 1024):
+    # from 0.05 routes per expert (probes of sessions 6 and 10)
+    for t in (1, 4, 16, 256):
         up, down = routed_configs(t * 6, pro_tp8)
-        assert down.maxnreg == (128 if down.block_m == 16 and t * 6 / 384 >= 0.05 else None), (t, down)
+        assert down.maxnreg == (128 if t * 6 / 384 >= 0.05 else None), (t, down)
         assert down.unroll == 2 and up.unroll == 1 and up.maxnreg is None, (t, up, down)
     assert routed_configs(4 * 6, pro_tp8)[1].maxnreg == 128 and routed_configs(6, pro_tp8)[1].maxnreg is None
-    assert routed_configs(1024 * 6, pro_tp8)[1].block_m == 32
+    # the 32-row band (T = 1024): 16-row blocks, both GEMMs on bf16 pairs, no unroll / cap
+    # (session 11: down 498.8 -> 416.9 us, gate_up 644.5 -> 564.3)
+    up, down = routed_configs(1024 * 6, pro_tp8)
+    assert up == down and (up.kind, up.block_m, up.a_bf16, up.unroll, up.maxnreg) == ("swap", 16, True, 1, None)
     assert routed_configs(4096 * 6, pro_tp8)[1].kind == "tile" and routed_configs(4096 * 6, pro_tp8)[1].unroll == 1
     flash = RoutedExpertWeights(shape(256, 4096, 2048), shape(256, 4096, 128), shape(256, 4096, 1024),
                                 shape(256, 4096, 64), first_expert=0, num_experts=256, layout="mma64")
-    for t in (1, 16, 1024):  # long-K down (K = 2048): neither
+    for t in (1, 16, 256):  # long-K down (K = 2048): no cap, no unroll on 16-row blocks
         down = routed_configs(t * 6, flash)[1]
         assert down.unroll == 1 and down.maxnreg is None, (t, down)
+    # long-K down on bf16 pairs (written by swiglu_quant) from 0.2 rows per expert, the
+    # 32-row blocks of T = 1024 unrolled twice; gate_up from 0.05 (T = 4), not split-K T = 1
+    assert [routed_configs(t * 6, flash)[1].a_bf16 for t in (1, 4, 16, 256, 1024)] == [False, False, True, True, True]
+    assert [routed_configs(t * 6, flash)[0].a_bf16 for t in (1, 4, 16, 1024)] == [False, True, True, True]
+    assert routed_configs(1024 * 6, flash)[1].unroll == 2 and routed_configs(1024 * 6, flash)[1].block_m == 32
+    assert not routed_configs(4096 * 6, flash)[1].a_bf16  # the tile body reads fp8
     nk = dataclasses.replace(pro_tp8, layout="nk")  # "nk" decodes on the tile/GEMV bodies: no pairs
     assert not any(routed_configs(t * 6, nk)[0].a_bf16 for t in (16, 256, 1024))
 
@@ -471,3 +480,39 @@ def test_swap_bf16_activations_bitwise(layout):
     with pytest.raises(ValueError, match="K=96 must be a multiple of 128"):
         mxfp4_grouped_gemm(qk, sak, wk, sk, a, gather_a=True, scatter_out=False,
                            config=GemmConfig(16, 128, kind="swap", a_bf16=True))
+
+
+def test_a_pairs_from_act_quant_bitwise():
+    """`a_pairs`: the bf16 pairs written by act_quant (pairs=True) and swiglu_quant give the
+    GEMM the same operand as its own conversion (bitwise); misuse is named."""
+    from dsv4_moe.kernels.act_quant import act_quant
+    from dsv4_moe.kernels.mxfp4_grouped_gemm import bf16_pairs
+    from dsv4_moe.kernels.swiglu_quant import swiglu_quant
+
+    w, s, _, _, ids = _mma64_case(7, n=128)
+    e, (t, k) = w.shape[0], ids.shape
+    x = torch.randn(t, 256, generator=torch.Generator().manual_seed(8)).bfloat16() * 3
+    q, sa, p = act_quant(x, pairs=True)
+    assert torch.equal(p.view(torch.int16), bf16_pairs(q).view(torch.int16))
+    a = moe_align(ids.int(), e, 0, 16)
+    cfg = GemmConfig(16, 128, 4, 2, kind="swap", a_bf16=True)
+    rows = a.route_rows.long()[ids.flatten() < e]
+    own = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=cfg)
+    given = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=cfg, a_pairs=p)
+    assert torch.equal(given[rows].view(torch.int16), own[rows].view(torch.int16))
+    # down: swiglu_quant's pairs of its own fp8 output (padding rows skipped, never read)
+    gu = torch.randn(a.max_rows, 256, generator=torch.Generator().manual_seed(9)).bfloat16() * 4
+    hq, hs, hp = swiglu_quant(gu, limit=7.0, route_weight=a.row_weight, expert_ids=a.row_expert,
+                              strategy="group", pairs=True)
+    wd, sd = _weights(e, 128, 128, torch.Generator().manual_seed(2))
+    y0 = mxfp4_grouped_gemm(hq, hs, wd, sd, a, gather_a=False, scatter_out=True, config=cfg)
+    y1 = mxfp4_grouped_gemm(hq, hs, wd, sd, a, gather_a=False, scatter_out=True, config=cfg, a_pairs=hp)
+    local = ids.flatten() < e
+    assert torch.equal(y1[local].view(torch.int16), y0[local].view(torch.int16))
+    with pytest.raises(ValueError, match="a_pairs: given, but config.a_bf16 is False"):
+        mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False,
+                           config=GemmConfig(16, 128, 4, 2, kind="swap"), a_pairs=p)
+    with pytest.raises(ValueError, match="a_pairs: expected a contiguous"):
+        mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=cfg, a_pairs=p[:, :128])
+    with pytest.raises(ValueError, match="a_pairs: expected a contiguous"):
+        mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=cfg, a_pairs=p.float())

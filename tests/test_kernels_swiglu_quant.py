@@ -148,6 +148,34 @@ def test_filtered_rows_left_untouched(with_map):
         assert_bytes_equal(s[keep], rs[keep], f"{name} kept scales")
 
 
+@pytest.mark.parametrize("filtered", [False, True])
+def test_pairs_output(filtered):
+    """pairs=True: bf16(q) in act_quant's "pairs" layout from the same kernel (both
+    strategies) and from the unfused twin, bit for bit; skipped rows keep their bytes."""
+    m, i = 8, 256
+    x = _gate_up(m, i, seed=11)
+    w = torch.rand(m)
+    ids = torch.tensor([0, -1, 3, 2, -1, 1, 3, 0], dtype=torch.int32) if filtered else None
+    keep = ids >= 0 if filtered else torch.ones(m, dtype=torch.bool)
+    rq, rs = ref.swiglu_quant(x, 10.0, w)
+    want = rq.float().bfloat16().view(m, i // 128, 64, 2).transpose(2, 3).reshape(m, i)
+    for name in STRATEGIES + ["unfused"]:
+        op = torch.full((m, i), -5.0, dtype=torch.bfloat16, device=DEV)
+        kw = dict(route_weight=w.to(DEV), expert_ids=ids.to(DEV) if filtered else None, pairs=True, out_pairs=op)
+        if name == "unfused":
+            q, s, p = swiglu_quant_unfused(x.to(DEV), **kw)
+        else:
+            q, s, p = swiglu_quant(x.to(DEV), strategy=name, **kw)
+        assert p is op
+        assert_bytes_equal(q.view(torch.uint8)[keep.to(q.device)], rq.view(torch.uint8)[keep], f"{name} codes")
+        assert_bytes_equal(p[keep.to(p.device)], want[keep], f"{name} pairs")
+        assert (p.cpu()[~keep] == -5.0).all(), f"{name}: skipped rows' pairs were written"
+    with pytest.raises(ValueError, match="pairs=True needs I % 128 == 0.*I=200"):
+        swiglu_quant(_gate_up(2, 200, seed=1).to(DEV), pairs=True)
+    with pytest.raises(ValueError, match="out_pairs given with pairs=False"):
+        swiglu_quant_unfused(x.to(DEV), out_pairs=torch.empty(m, i, dtype=torch.bfloat16, device=DEV))
+
+
 def test_m0_no_launch(monkeypatch):
     import dsv4_moe.kernels._swiglu_quant as body
 

@@ -30,6 +30,7 @@ from typing import Callable, Optional
 import torch
 
 from dsv4_moe import reference as R
+from dsv4_moe import stages
 from dsv4_moe.weights.formats import dequant_fp8_block, dequant_mxfp4
 
 __all__ = ["LAYER_PATHS", "DEFAULT_LAYER_PATHS", "STAGES", "path_forces", "force_context", "build_layer", "build_shared", "select_stage",
@@ -175,9 +176,12 @@ def stage_callables(stage: str, shared_mlp, weights, config, ctx, s: StageSet) -
         n_sw, _ = select_stage("swiglu_quant", ctx)  # routed_experts takes the SwiGLU-quant path by name
         n_fi, fi = select_stage("finalize", ctx)
 
+        # as the layer: act_quant writes the bf16 pairs when the routed gate_up takes them
+        pairs = n_re == "triton" and stages.routed_wants_pairs(s.topk_ids.numel(), r)
+
         def routed():
-            q, sa = aq(s.x)
-            y = re_(q, sa, s.topk_w, s.topk_ids, r, limit, n_sw)
+            q, sa, *qp = aq(s.x, pairs=pairs)
+            y = re_(q, sa, s.topk_w, s.topk_ids, r, limit, n_sw, q_pairs=qp[0] if qp else None)
             return fi(y, s.topk_ids, s.zeros, r.first_expert, r.num_local)
 
         return f"act_quant={n_aq} routed_experts={n_re}(swiglu={n_sw}) finalize={n_fi}", routed
