@@ -63,13 +63,19 @@ def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmCo
     #     379.1 -> 329.4, T=256 482.5 -> 416.3, T=1024 743.3 -> 611.4 (32 rows, unrolled
     #     twice; 658.8 not); not at T=4 (51.9 -> 52.3) and not the short-K Pro-TP8 down
     #     at T <= 256 (fp8 with the cap below: level)
-    #   Pro-TP8 (K = I/tp <= 1024) in the 32-row band (T = 1024): 16-row blocks for both
-    #     GEMMs with pairs, down 498.8 (32 rows, fp8) -> 416.9, gate_up 644.5 -> 564.3.
+    #   Pro-TP8 (K = I/tp <= 1024) in the 32-row band, both GEMMs on pairs, the down K loop
+    #     unrolled twice (probe_swz_pairs_pro_band_4a115bc.txt): below 24 rows per expert
+    #     16-row blocks (T=512: gate_up 661.8 -> 411.9, down 551.0 -> 306.5; T=1024: 644.5
+    #     -> 564.3, 498.8 -> 421.3), above them 32-row blocks (T=2048: 921.1 -> 795.7,
+    #     709.4 -> 641.1; 16-row blocks 978.1 / 692.2).
     rows = num_routes / max(routed.num_local, 1)
     mma64 = routed.layout == "mma64"
     if mma64 and i <= 1024 and up.kind == "swap" and up.block_m == 32 and h % 128 == 0 and i % 128 == 0:
-        pairs = GemmConfig(16, 128, 4, 4, kind="swap", asm=True, a_bf16=True)
-        return pairs, pairs
+        if rows < 24:
+            up = GemmConfig(16, 128, 4, 4, kind="swap", asm=True, a_bf16=True)
+        else:
+            up = dataclasses.replace(up, a_bf16=True)
+        return up, dataclasses.replace(up, unroll=2)
     if up.kind == "swap" and up.split_k == 1 and mma64 and rows >= 0.05 and h % 128 == 0:
         up = dataclasses.replace(up, a_bf16=True)
     if down.kind == "swap" and down.split_k == 1 and mma64 and i >= 2048 and i % 128 == 0 and rows >= 0.2:

@@ -390,10 +390,12 @@ def test_mma64_guards_and_select_config():
         assert down.maxnreg == (128 if t * 6 / 384 >= 0.05 else None), (t, down)
         assert down.unroll == 2 and up.unroll == 1 and up.maxnreg is None, (t, up, down)
     assert routed_configs(4 * 6, pro_tp8)[1].maxnreg == 128 and routed_configs(6, pro_tp8)[1].maxnreg is None
-    # the 32-row band (T = 1024): 16-row blocks, both GEMMs on bf16 pairs, no unroll / cap
-    # (session 11: down 498.8 -> 416.9 us, gate_up 644.5 -> 564.3)
-    up, down = routed_configs(1024 * 6, pro_tp8)
-    assert up == down and (up.kind, up.block_m, up.a_bf16, up.unroll, up.maxnreg) == ("swap", 16, True, 1, None)
+    # the 32-row band: both GEMMs on bf16 pairs, down unrolled twice, no cap; 16-row
+    # blocks below 24 rows per expert (T = 512, 1024), 32-row ones above (T = 2048; session 11)
+    for t, bm in ((512, 16), (1024, 16), (2048, 32)):
+        up, down = routed_configs(t * 6, pro_tp8)
+        assert (up.kind, up.block_m, up.a_bf16, up.unroll, up.maxnreg) == ("swap", bm, True, 1, None), (t, up)
+        assert down == dataclasses.replace(up, unroll=2), (t, down)
     assert routed_configs(4096 * 6, pro_tp8)[1].kind == "tile" and routed_configs(4096 * 6, pro_tp8)[1].unroll == 1
     flash = RoutedExpertWeights(shape(256, 4096, 2048), shape(256, 4096, 128), shape(256, 4096, 1024),
                                 shape(256, 4096, 64), first_expert=0, num_experts=256, layout="mma64")
