@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton_utils import e4m3_bytes_to_bf16, interpreting, pair_columns, pdl_enter, pdl_options, quant_group_tile
+from ._triton_utils import interpreting, pdl_enter, pdl_options, quant_group_tile, store_pairs
 
 
 @triton.jit
@@ -31,9 +31,8 @@ def _act_quant_kernel(
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     q, s_store = quant_group_tile(x, SCALE_FMT, SOFTWARE)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
-    if PAIRS:
-        tl.store(p_ptr + rows[:, None] * stride_pm + (g * 128 + pair_columns())[None, :],
-                 e4m3_bytes_to_bf16(q, SOFTWARE), mask=mask)
+    if PAIRS:  # K % 128 == 0: whole groups, only the row mask
+        store_pairs(p_ptr + rows * stride_pm + g * 128, q, rows < M, SOFTWARE)
     tl.store(s_ptr + rows * stride_sm + g * stride_sg, s_store, mask=rows < M_S)
 
 

@@ -25,8 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._triton_utils import (e4m3_bytes_to_bf16, interpreting, pair_columns, pdl_enter, pdl_options, quant_group_tile,
-                            round_to_bf16)
+from ._triton_utils import interpreting, pdl_enter, pdl_options, quant_group_tile, round_to_bf16, store_pairs
 
 # NOTE: measured on the H200 (2026-11-29, session 3, docs/bench/2026-11-29/session3/):
 # with 4 programs per SM ncu showed 23 % achieved occupancy and 36 % of DRAM peak at
@@ -92,8 +91,7 @@ def _swiglu_compute_store(
     q, s_store = quant_group_tile(hb, SCALE_FMT, not USE_LIBDEVICE)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
     if PAIRS:  # bf16(q) in the "pairs" layout (act_quant's pairs output; I % 128 == 0)
-        tl.store(p_ptr + rows[:, None] * stride_pm + (g * 128 + pair_columns())[None, :],
-                 e4m3_bytes_to_bf16(q, not USE_LIBDEVICE), mask=mask)
+        store_pairs(p_ptr + rows * stride_pm + g * 128, q, ok, not USE_LIBDEVICE)
     # Rows M..M_S-1 (padded column-major scales) write the scale of an all-zero group.
     s_mask = ok | ((rows >= M) & (rows < M_S))
     tl.store(s_ptr + rows * stride_sm + g * stride_sg, s_store, mask=s_mask)
