@@ -10,6 +10,9 @@
     y     = mxfp4_grouped_gemm(hq, hs, down)            rows scattered to slot r = t*k + slot
 
     q             [T, H]            float8_e4m3fn   act_quant(x)
+    q_pairs       [T, H] or None    bfloat16        act_quant(x, pairs=True)[2]: bf16(q) in
+                                                    the "pairs" layout, for a gate_up config
+                                                    with a_bf16 (down's come from swiglu_quant)
     sa            [T, ceil(H/128)]  float32
     topk_weights  [T, k]            float32
     topk_ids      [T, k]            int32/int64     global ids
