@@ -81,6 +81,13 @@ def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmCo
         return up, dataclasses.replace(up, unroll=2)
     if up.kind == "swap" and up.split_k == 1 and mma64 and rows >= 0.05 and h % 128 == 0:
         up = dataclasses.replace(up, a_bf16=True)
+        # NOTE: a 128-register cap on the Flash-shaped gate_up (I >= 2048) on pairs from 0.2
+        # rows per expert, 16-row blocks: three interleaved H200 runs (probe_swz_cap_ab*_
+        # 428106e.txt, medians, us) T=16 270.7 -> 266.4, T=64 657.0 -> 637.5, T=256 868.4
+        # -> 840.6 (136 registers: slower); at T=4 98.5 vs 95.6 and on Pro-TP8 gate_up
+        # (113.0 vs 108.6 at T=16) slower (probe_swz_pairs_variants_269c2f5.txt).
+        if i >= 2048 and rows >= 0.2 and up.block_m == 16:
+            up = dataclasses.replace(up, maxnreg=128)
     if down.kind == "swap" and down.split_k == 1 and mma64 and i >= 2048 and i % 128 == 0 and rows >= 0.2:
         down = dataclasses.replace(down, a_bf16=True, unroll=2 if down.block_m == 32 else 1)
     # NOTE: the short-K down GEMM (Pro-TP8: K = I/tp = 384, three 128-blocks) on the swap

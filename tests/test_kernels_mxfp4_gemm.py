@@ -408,6 +408,9 @@ def test_mma64_guards_and_select_config():
     assert [routed_configs(t * 6, flash)[0].a_bf16 for t in (1, 4, 16, 1024)] == [False, True, True, True]
     assert routed_configs(1024 * 6, flash)[1].unroll == 2 and routed_configs(1024 * 6, flash)[1].block_m == 32
     assert not routed_configs(4096 * 6, flash)[1].a_bf16  # the tile body reads fp8
+    # a 128-register cap on Flash's gate_up on pairs, 16-row blocks from 0.2 rows per expert
+    assert [routed_configs(t * 6, flash)[0].maxnreg for t in (4, 16, 256, 1024)] == [None, 128, 128, None]
+    assert routed_configs(16 * 6, pro_tp8)[0].maxnreg is None
     nk = dataclasses.replace(pro_tp8, layout="nk")  # "nk" decodes on the tile/GEMV bodies: no pairs
     assert not any(routed_configs(t * 6, nk)[0].a_bf16 for t in (16, 256, 1024))
 
