@@ -78,6 +78,7 @@ def _mxfp4_grouped_gemm_kernel(
     ASM: tl.constexpr = False,          # bf16 weights built by inline PTX (_dequant_w), GPU only
     W_SWZ: tl.constexpr = False,        # weights in the "mma64" layout (weights/mma_layout.py);
                                         # needs SCALE_BCAST, BLOCK_N % 64 == 0 and K % 128 == 0
+    A_BF16: tl.constexpr = False,  # activations given as bf16 pairs (as in the swap body; K % 128 == 0)
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
 ):
     pdl_enter(PDL)
@@ -106,7 +107,9 @@ def _mxfp4_grouped_gemm_kernel(
     kh = tl.arange(0, 64)
     k4 = tl.arange(0, 4)
     kk = tl.arange(0, 128)
-    if A_SPLIT:
+    if A_BF16:
+        a_ptrs = a_ptr + arow[:, None] * stride_am + kh[None, :]
+    elif A_SPLIT:
         a_ptrs = a_ptr + arow[:, None] * stride_am + kk[None, :]
     else:
         a_ptrs = a_ptr + arow[:, None] * stride_am + 2 * kh[None, :]
@@ -126,7 +129,10 @@ def _mxfp4_grouped_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in tl.range(0, (K + 127) // 128, num_stages=NUM_STAGES):
         k0 = kb * 128
-        if A_SPLIT and K % 128 == 0:  # whole blocks: no K mask (as in the swap body)
+        if A_BF16:  # whole blocks (the wrapper checks K % 128 == 0): [64 even | 64 odd] as stored
+            a_even = tl.load(a_ptrs + k0)
+            a_odd = tl.load(a_ptrs + k0 + 64)
+        elif A_SPLIT and K % 128 == 0:  # whole blocks: no K mask (as in the swap body)
             a = tl.load(a_ptrs + k0)
             a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, 64, 2)))
         elif A_SPLIT:

@@ -65,7 +65,7 @@ class GemmConfig:
     # "gemv": 128-blocks per loop iteration (independent loads in flight together);
     # "swap": Triton's loop_unroll_factor of the K loop (fewer pipeline barriers per block)
     unroll: int = 1
-    # "swap" only: hand the MMA its second operand as bf16 ([64 even | 64 odd] per
+    # "swap" and "tile": hand the MMA its (second, "swap") operand as bf16 ([64 even | 64 odd] per
     # 128-block: the `a_pairs` act_quant / swiglu_quant write with pairs=True, or converted
     # by torch in the wrapper when none are given), so the body skips the fp8 -> bf16
     # conversion and its barrier per block; same values, same MMA, so bitwise the default.
@@ -87,8 +87,8 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.block_m={self.block_m}: expected 16, 32, 64, 128 or 256")
         if self.block_n not in (16, 32, 64, 128, 256):
             raise ValueError(f"GemmConfig.block_n={self.block_n}: expected 16, 32, 64, 128 or 256")
-        if self.a_bf16 and self.kind != "swap":
-            raise ValueError(f"GemmConfig.a_bf16=True needs kind 'swap', got kind={self.kind!r}")
+        if self.a_bf16 and self.kind == "gemv":
+            raise ValueError(f"GemmConfig.a_bf16=True needs kind 'swap' or 'tile', got kind={self.kind!r}")
         if self.maxnreg is not None and (not isinstance(self.maxnreg, int) or not 24 <= self.maxnreg <= 255):
             raise ValueError(f"GemmConfig.maxnreg={self.maxnreg!r}: expected None or an int in [24, 255]")
         if not isinstance(self.unroll, int) or self.unroll < 1 or (self.unroll > 1 and self.kind == "tile"):
@@ -264,7 +264,7 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         SOFTWARE_BF16=interpreting(),
         A_SPLIT=cfg.a_split, W_KN=cfg.w_kn, SCALE_BCAST=cfg.scale_bcast, DIAG=cfg.diag,
-        ASM=cfg.asm and cfg.scale_bcast and not interpreting(), W_SWZ=swz,
+        ASM=cfg.asm and cfg.scale_bcast and not interpreting(), W_SWZ=swz, A_BF16=cfg.a_bf16,
         num_warps=cfg.num_warps, **_launch_opts(cfg), **pdl_options(out.device),
     )
     return out

@@ -451,11 +451,12 @@ def test_bf16_pairs_layout():
         assert torch.equal(p[:, 128 * b + 64:128 * (b + 1)].float(), f[:, 128 * b + 1:128 * (b + 1):2])
 
 
+@pytest.mark.parametrize("kind", ["swap", "tile"])
 @pytest.mark.parametrize("layout", ["nk", "mma64"])
-def test_swap_bf16_activations_bitwise(layout):
-    """GemmConfig.a_bf16 (probe option): the swap body reads its second operand as bf16
-    [64 even | 64 odd] per 128-block: the same values and MMA, so the same bits, gathered
-    (gate_up) and permuted (down, K = 384) rows, split-K included."""
+def test_bf16_activations_bitwise(layout, kind):
+    """GemmConfig.a_bf16: the swap and tile bodies read the activations as bf16 [64 even |
+    64 odd] per 128-block: the same values and MMA, so the same bits, gathered (gate_up) and
+    permuted (down, K = 384) rows, split-K included (swap)."""
     from dsv4_moe.weights.mma_layout import to_mma64
 
     w, s, q, sa, ids = _mma64_case(6, n=128)
@@ -463,23 +464,23 @@ def test_swap_bf16_activations_bitwise(layout):
     a = moe_align(ids.int(), e, 0, 16)
     wl = to_mma64(w) if layout == "mma64" else w
     rows = a.route_rows.long()[ids.flatten() < e]
-    for split in (1, 2):
+    for split in ((1, 2) if kind == "swap" else (1,)):
         base = mxfp4_grouped_gemm(q, sa, wl, s, a, gather_a=True, scatter_out=False, layout=layout,
-                                  config=GemmConfig(16, 128, 4, 2, kind="swap", split_k=split))
+                                  config=GemmConfig(16, 128, 4, 2, kind=kind, split_k=split))
         pre = mxfp4_grouped_gemm(q, sa, wl, s, a, gather_a=True, scatter_out=False, layout=layout,
-                                 config=GemmConfig(16, 128, 4, 2, kind="swap", split_k=split, a_bf16=True))
+                                 config=GemmConfig(16, 128, 4, 2, kind=kind, split_k=split, a_bf16=True))
         assert torch.equal(pre[rows].view(torch.int16), base[rows].view(torch.int16))
     wd, sd = _weights(e, 128, 384, torch.Generator().manual_seed(2))
     wdl = to_mma64(wd) if layout == "mma64" else wd
     hq, hs = ref.act_quant(torch.randn(a.max_rows, 384, generator=torch.Generator().manual_seed(3)).bfloat16())
     y0 = mxfp4_grouped_gemm(hq, hs, wdl, sd, a, gather_a=False, scatter_out=True, layout=layout,
-                            config=GemmConfig(16, 128, 4, 2, kind="swap"))
+                            config=GemmConfig(16, 128, 4, 2, kind=kind))
     y1 = mxfp4_grouped_gemm(hq, hs, wdl, sd, a, gather_a=False, scatter_out=True, layout=layout,
-                            config=GemmConfig(16, 128, 4, 2, kind="swap", a_bf16=True))
+                            config=GemmConfig(16, 128, 4, 2, kind=kind, a_bf16=True))
     local = ids.flatten() < e
     assert torch.equal(y1[local].view(torch.int16), y0[local].view(torch.int16))
-    with pytest.raises(ValueError, match="a_bf16=True needs kind 'swap'"):
-        GemmConfig(16, 128, a_bf16=True)
+    with pytest.raises(ValueError, match="a_bf16=True needs kind 'swap' or 'tile'"):
+        GemmConfig(1, 64, kind="gemv", a_bf16=True)
     wk, sk = _weights(e, 128, 96, torch.Generator().manual_seed(4))
     qk, sak = ref.act_quant(torch.randn(t, 96).bfloat16())
     with pytest.raises(ValueError, match="K=96 must be a multiple of 128"):
