@@ -73,7 +73,24 @@ def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmCo
     #     709.4 -> 641.1; 16-row blocks 978.1 / 692.2).
     rows = num_routes / max(routed.num_local, 1)
     mma64 = routed.layout == "mma64"
-    if mma64 and i <= 1024 and up.kind == "swap" and up.block_m == 32 and h % 128 == 0 and i % 128 == 0:
+    whole = h % 128 == 0 and i % 128 == 0
+    # NOTE (session 12, docs/bench/2026-11-29/session12/probe_swz_prefill_pairs*_9a8ab78.txt,
+    # H200, graphs, uniform routing, us, the config before -> now, bitwise): the tile body on
+    # bf16 pairs takes the Flash-shaped GEMMs (I >= 2048) from 40 rows per expert, where two
+    # 32-row swap blocks cost more than one 64-row tile: T=2048 gate_up 2326.6 (swap32 pairs)
+    # -> 2047.5, down 1187.5 (swap32 pairs u2) -> 987.2; T=4096 4227.1 (tile fp8) -> 3962.0,
+    # 2039.6 -> 1894.9; T=8192 7311.4 -> 6949.6, 3563.7 -> 3319.8 (at 36 rows, T=1536, level:
+    # 1987.0 + 977.1 vs 2037.8 + 927.3). The Pro-style (I <= 1024) 32-row swap band now runs
+    # to 96 rows per expert: T=4096 gate_up 1554.4 (tile fp8) -> 1327.6, down 970.4 -> 1088.5
+    # (2524.8 -> 2416.1 together); at T=8192 the tile keeps both (4250.5 vs 4492.2), and the
+    # tile on pairs is slower on the short-K down (1299.9 vs 970.4 at T=4096).
+    if mma64 and whole and i >= 2048 and rows >= 40:
+        up = GemmConfig(64, 128, 4, 3, asm=True, a_bf16=True)
+        return up, up
+    if mma64 and whole and i <= 1024 and 64 <= rows < 96:
+        up = GemmConfig(32, 128, 4, 3, kind="swap", asm=True, a_bf16=True)
+        return up, dataclasses.replace(up, unroll=2)
+    if mma64 and i <= 1024 and up.kind == "swap" and up.block_m == 32 and whole:
         if rows < 24:
             up = GemmConfig(16, 128, 4, 4, kind="swap", asm=True, a_bf16=True)
         else:

@@ -375,7 +375,7 @@ def test_mma64_guards_and_select_config():
         return torch.zeros(1, 1, 1, dtype=torch.uint8).expand(*sz)
     pro_tp8 = RoutedExpertWeights(shape(384, 768, 3584), shape(384, 768, 224), shape(384, 7168, 192),
                                   shape(384, 7168, 12), first_expert=0, num_experts=384, layout="mma64")
-    for t in (1, 2, 4, 16, 256, 4096):
+    for t in (1, 2, 4, 16, 256, 8192):
         up, down = routed_configs(t * 6, pro_tp8)
         assert up.block_m == down.block_m and up.kind != "gemv" and down.kind != "gemv", (t, up, down)
         # bf16 activation pairs (written by act_quant): gate_up's unsplit swap body from
@@ -396,7 +396,11 @@ def test_mma64_guards_and_select_config():
         up, down = routed_configs(t * 6, pro_tp8)
         assert (up.kind, up.block_m, up.a_bf16, up.unroll, up.maxnreg) == ("swap", bm, True, 1, None), (t, up)
         assert down == dataclasses.replace(up, unroll=2), (t, down)
-    assert routed_configs(4096 * 6, pro_tp8)[1].kind == "tile" and routed_configs(4096 * 6, pro_tp8)[1].unroll == 1
+    # session 12: the band runs to 96 rows per expert (T = 4096); the tile (fp8) above it
+    up, down = routed_configs(4096 * 6, pro_tp8)
+    assert (up.kind, up.block_m, up.a_bf16, down.unroll) == ("swap", 32, True, 2) and down.a_bf16, (up, down)
+    up, down = routed_configs(8192 * 6, pro_tp8)
+    assert (up.kind, down.kind, up.a_bf16, down.a_bf16, down.unroll) == ("tile", "tile", False, False, 1), (up, down)
     flash = RoutedExpertWeights(shape(256, 4096, 2048), shape(256, 4096, 128), shape(256, 4096, 1024),
                                 shape(256, 4096, 64), first_expert=0, num_experts=256, layout="mma64")
     for t in (1, 16, 256):  # long-K down (K = 2048): no cap, no unroll on 16-row blocks
@@ -407,7 +411,12 @@ def test_mma64_guards_and_select_config():
     assert [routed_configs(t * 6, flash)[1].a_bf16 for t in (1, 4, 16, 256, 1024)] == [False, False, True, True, True]
     assert [routed_configs(t * 6, flash)[0].a_bf16 for t in (1, 4, 16, 1024)] == [False, True, True, True]
     assert routed_configs(1024 * 6, flash)[1].unroll == 2 and routed_configs(1024 * 6, flash)[1].block_m == 32
-    assert not routed_configs(4096 * 6, flash)[1].a_bf16  # the tile body reads fp8
+    # session 12: from 40 rows per expert (T >= 1707) both GEMMs run the 64-row tile body on
+    # bf16 pairs; the 32-row swap band below
+    for t in (2048, 4096, 8192):
+        up, down = routed_configs(t * 6, flash)
+        assert up == down and (up.kind, up.block_m, up.a_bf16) == ("tile", 64, True), (t, up)
+    assert routed_configs(1536 * 6, flash)[0].kind == "swap"
     # a 128-register cap on Flash's gate_up on pairs, 16-row blocks from 0.2 rows per expert
     assert [routed_configs(t * 6, flash)[0].maxnreg for t in (4, 16, 256, 1024)] == [None, 128, 128, None]
     assert routed_configs(16 * 6, pro_tp8)[0].maxnreg is None
