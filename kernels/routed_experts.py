@@ -84,12 +84,21 @@ def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmCo
     # to 96 rows per expert: T=4096 gate_up 1554.4 (tile fp8) -> 1327.6, down 970.4 -> 1088.5
     # (2524.8 -> 2416.1 together); at T=8192 the tile keeps both (4250.5 vs 4492.2), and the
     # tile on pairs is slower on the short-K down (1299.9 vs 970.4 at T=4096).
+    # From 64 rows per expert the gate_up tile on pairs also gains from two pipeline stages
+    # and a 168-register cap (3 programs per SM instead of 2; probe_swz_tile_pairs_caps_
+    # 08f8dfa.txt, us, 3 stages uncapped -> 2 stages capped): Flash T=4096 3973.9 -> 3767.5,
+    # T=8192 6911.3 -> 6639.8; Pro-TP8 T=8192 2514.7 -> 2406.9 (tile fp8: 2610.5). The down
+    # GEMMs lose with it (Flash 1844.1 -> 1908.5 at T=4096), and the short-K Pro-TP8 down
+    # keeps fp8 activations.
+    capped = GemmConfig(64, 128, 4, 2, asm=True, a_bf16=True, maxnreg=168)
     if mma64 and whole and i >= 2048 and rows >= 40:
-        up = GemmConfig(64, 128, 4, 3, asm=True, a_bf16=True)
-        return up, up
+        down = GemmConfig(64, 128, 4, 3, asm=True, a_bf16=True)
+        return (capped if rows >= 64 else down), down
     if mma64 and whole and i <= 1024 and 64 <= rows < 96:
         up = GemmConfig(32, 128, 4, 3, kind="swap", asm=True, a_bf16=True)
         return up, dataclasses.replace(up, unroll=2)
+    if mma64 and whole and i <= 1024 and rows >= 96:
+        return capped, GemmConfig(64, 128, 4, 3, asm=True)
     if mma64 and i <= 1024 and up.kind == "swap" and up.block_m == 32 and whole:
         if rows < 24:
             up = GemmConfig(16, 128, 4, 4, kind="swap", asm=True, a_bf16=True)

@@ -380,7 +380,8 @@ def test_mma64_guards_and_select_config():
         assert up.block_m == down.block_m and up.kind != "gemv" and down.kind != "gemv", (t, up, down)
         # bf16 activation pairs (written by act_quant): gate_up's unsplit swap body from
         # 0.05 rows per expert; the short-K down keeps fp8 below the 32-row band (level there)
-        assert up.a_bf16 == (up.kind == "swap" and up.split_k == 1 and t * 6 / 384 >= 0.05), (t, up)
+        assert up.a_bf16 == (up.kind == "tile" or (up.kind == "swap" and up.split_k == 1 and t * 6 / 384 >= 0.05)), \
+            (t, up)
         assert not down.a_bf16
     assert routed_configs(16 * 6, pro_tp8)[0].a_bf16 and not routed_configs(4 * 6, pro_tp8)[0].a_bf16
     # the short-K down swap body: K loop unrolled twice; a register cap on 16-row blocks
@@ -399,8 +400,10 @@ def test_mma64_guards_and_select_config():
     # session 12: the band runs to 96 rows per expert (T = 4096); the tile (fp8) above it
     up, down = routed_configs(4096 * 6, pro_tp8)
     assert (up.kind, up.block_m, up.a_bf16, down.unroll) == ("swap", 32, True, 2) and down.a_bf16, (up, down)
+    # above it the tile body: gate_up on pairs, 2 stages, capped at 168 registers; down fp8
     up, down = routed_configs(8192 * 6, pro_tp8)
-    assert (up.kind, down.kind, up.a_bf16, down.a_bf16, down.unroll) == ("tile", "tile", False, False, 1), (up, down)
+    assert (up.kind, up.block_m, up.a_bf16, up.num_stages, up.maxnreg) == ("tile", 64, True, 2, 168), up
+    assert (down.kind, down.block_m, down.a_bf16, down.maxnreg, down.unroll) == ("tile", 64, False, None, 1), down
     flash = RoutedExpertWeights(shape(256, 4096, 2048), shape(256, 4096, 128), shape(256, 4096, 1024),
                                 shape(256, 4096, 64), first_expert=0, num_experts=256, layout="mma64")
     for t in (1, 16, 256):  # long-K down (K = 2048): no cap, no unroll on 16-row blocks
@@ -415,7 +418,9 @@ def test_mma64_guards_and_select_config():
     # bf16 pairs; the 32-row swap band below
     for t in (2048, 4096, 8192):
         up, down = routed_configs(t * 6, flash)
-        assert up == down and (up.kind, up.block_m, up.a_bf16) == ("tile", 64, True), (t, up)
+        assert (down.kind, down.block_m, down.a_bf16, down.num_stages, down.maxnreg) == ("tile", 64, True, 3, None)
+        # gate_up: from 64 rows per expert 2 stages and a 168-register cap
+        assert up == (dataclasses.replace(down, num_stages=2, maxnreg=168) if t * 6 / 256 >= 64 else down), (t, up)
     assert routed_configs(1536 * 6, flash)[0].kind == "swap"
     # a 128-register cap on Flash's gate_up on pairs, 16-row blocks from 0.2 rows per expert
     assert [routed_configs(t * 6, flash)[0].maxnreg for t in (4, 16, 256, 1024)] == [None, 128, 128, None]
