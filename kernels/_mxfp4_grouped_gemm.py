@@ -9,7 +9,8 @@ BLOCK_N slice of that expert's output features, and a loop over K in 128-wide bl
 (one activation scale each):
 
     w   = bf16(e2m1(w4[e, n, k]) * 2^(sw[e, n, k // 32] - 127))   exact, built on the bits
-    a   = bf16(q[rows, k])                                          exact (e4m3 -> bf16)
+    a   = bf16(q[rows, k])                                          exact (e4m3 -> bf16; or read
+                                                                    as the bf16 pairs, A_BF16)
     p   = dot(a, w^T)                       bf16 MMA, fp32 accumulation over the 128 k
     acc = acc + p * sa[row, kb]             exact product (power of two)
 

@@ -65,11 +65,12 @@ class GemmConfig:
     # "gemv": 128-blocks per loop iteration (independent loads in flight together);
     # "swap": Triton's loop_unroll_factor of the K loop (fewer pipeline barriers per block)
     unroll: int = 1
-    # "swap" and "tile": hand the MMA its (second, "swap") operand as bf16 ([64 even | 64 odd] per
+    # "swap" and "tile": hand the MMA its activation operand as bf16 ([64 even | 64 odd] per
     # 128-block: the `a_pairs` act_quant / swiglu_quant write with pairs=True, or converted
     # by torch in the wrapper when none are given), so the body skips the fp8 -> bf16
     # conversion and its barrier per block; same values, same MMA, so bitwise the default.
-    # routed_configs turns it on where the H200 measured a gain (session 11: 9-14 %).
+    # routed_configs turns it on where the H200 measured a gain (session 11, swap: 9-14 %;
+    # session 12, tile: 5-10 %, more with a register cap on gate_up).
     a_bf16: bool = False
     # ptxas register cap per thread (None: the compiler's choice). Session 5 measured caps
     # on the prefill tile body (250 -> 128..168 registers): spills, 1.2-1.9x slower. The
