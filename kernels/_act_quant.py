@@ -36,20 +36,28 @@ def _act_quant_kernel(
     tl.store(s_ptr + rows * stride_sm + g * stride_sg, s_store, mask=rows < M_S)
 
 
-def launch_act_quant(x, q_u8, s, m_s: int, scale_fmt_code: int, pairs=None) -> None:
+def launch_act_quant(x, q_u8, s, m_s: int, scale_fmt_code: int, pairs=None, *, block_m=None,
+                     num_warps=None) -> None:
     """x [M, K] bf16 (unit column stride), q_u8 [M, K] uint8 view, s [M_S, G] any strides,
-    pairs None or [M, K] bf16 (unit column stride, K % 128 == 0)."""
+    pairs None or [M, K] bf16 (unit column stride, K % 128 == 0). block_m / num_warps:
+    probes only (scripts/gpu_probe_act_quant.py); None = the tuned choice."""
     m, k = x.shape
     g = triton.cdiv(k, 128)
-    # NOTE: 4 rows x 128 cols = 512 elements per program: big enough for 16-byte loads with
-    # 1 warp... and small enough that M = 1..8 decode does not waste lanes. Re-tune with
-    # scripts/bench_swiglu_quant.py (act_quant rows) if it ever shows up in a profile.
-    block_m = 1 if m_s <= 16 else 4
+    # NOTE: one row per program at decode (M <= 16: no wasted lanes), 4 rows x 128 columns
+    # up to M = 128; above, bigger programs. H200, session 12 (scripts/gpu_probe_act_quant.py,
+    # docs/bench/2026-11-29/session12/probe_act_quant*_58f3e40.txt, graphs, 4 rotated inputs,
+    # us, 4 rows / 2 warps -> chosen, K = 4096 / 7168, pairs written): M=256 3.27 -> 2.55 /
+    # 5.16 -> 3.38 (8 rows, 4 warps); M=1024 11.24 -> 5.81 / 18.28 -> 9.78, M=8192 80.17 ->
+    # 47.08 / 139.28 -> 86.40 (32 rows, 8 warps: 3.4-3.8 TB/s, was 1.3-2.1); same bits.
+    if block_m is None:
+        block_m = 1 if m_s <= 16 else 4 if m_s < 128 else 8 if m_s < 512 else 32
+    if num_warps is None:
+        num_warps = {1: 1, 4: 2, 8: 4}.get(block_m, 8)
     grid = (triton.cdiv(m_s, block_m), g)
     _act_quant_kernel[grid](
         x, q_u8, s, pairs if pairs is not None else x, m, m_s, k,
         x.stride(0), q_u8.stride(0), s.stride(0), s.stride(1), pairs.stride(0) if pairs is not None else 0,
         SCALE_FMT=scale_fmt_code, BLOCK_M=block_m, SOFTWARE=interpreting(), PAIRS=pairs is not None,
-        num_warps=1 if block_m == 1 else 2,
+        num_warps=num_warps,
         **pdl_options(x.device),
     )

@@ -33,7 +33,9 @@ def check_vs_reference(x):
     return q, s
 
 
-@pytest.mark.parametrize("shape", [(1, 128), (5, 384), (7, 300), (3, 1000), (17, 256)])
+# (130, 300) and (531, 256): the 8- and 32-row programs of larger M (partial row blocks,
+# a partial last group)
+@pytest.mark.parametrize("shape", [(1, 128), (5, 384), (7, 300), (3, 1000), (17, 256), (130, 300), (531, 256)])
 def test_random_matches_reference_bitwise(shape):
     torch.manual_seed(shape[0] * 1000 + shape[1])
     x = (torch.randn(shape) * torch.logspace(-3, 3, shape[0])[:, None]).bfloat16()
@@ -83,7 +85,7 @@ def test_nan_ignored_in_amax_and_inf_gives_inf_scale():
     assert se.cpu().view(torch.uint8)[1, 0].item() == 255  # inf scale -> e8m0 byte 255
 
 
-@pytest.mark.parametrize("m", [1, 5, 8])
+@pytest.mark.parametrize("m", [1, 5, 8, 130])
 def test_scale_formats(m):
     torch.manual_seed(m)
     x = (torch.randn(m, 300) * 50).bfloat16()
@@ -135,7 +137,7 @@ def _pairs_of(q):
     return q.float().bfloat16().view(m, k // 128, 64, 2).transpose(2, 3).reshape(m, k)
 
 
-@pytest.mark.parametrize("shape", [(1, 128), (5, 384), (3, 256)])
+@pytest.mark.parametrize("shape", [(1, 128), (5, 384), (3, 256), (131, 256), (515, 128)])
 def test_pairs_output_bitwise(shape):
     """pairs=True: the same codes and scales, plus bf16(q) in the "pairs" layout, bit for
     bit (subnormal codes, -0.0 and NaN included); the reference stage makes the same."""
