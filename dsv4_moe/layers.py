@@ -313,7 +313,8 @@ class DeepseekV4MoE(_NativeBuffers):
                              f", {cfg.maxnreg}-register cap" if cfg.maxnreg else "",
                              f", K loop unrolled {cfg.unroll}x" if cfg.unroll > 1 and cfg.kind == "swap" else
                              f", {cfg.unroll} K blocks per step" if cfg.unroll > 1 else ""])
-            parts.append(f"{gemm} {cfg.kind} {cfg.block_m}x{cfg.block_n}, {cfg.num_warps} warps{extra}")
+            parts.append(f"{gemm} {cfg.kind} {cfg.block_m}x{cfg.block_n}, {cfg.num_warps} warps, "
+                         f"{cfg.num_stages} stages{extra}")
         return (f"\n  routed GEMMs ({routes / self.num_local_experts:.3g} routes per local expert): "
                 + "; ".join(parts))
 

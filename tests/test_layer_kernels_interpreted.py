@@ -68,5 +68,6 @@ def test_explain_names_the_routed_gemm_bodies(kernels_on_cpu):
         assert f"gate_up {up.kind} {up.block_m}x{up.block_n}" in text, text
         assert f"down {down.kind} {down.block_m}x{down.block_n}" in text
         assert ("bf16 activation pairs" in text) == up.a_bf16
+        assert f"gate_up {up.kind} {up.block_m}x{up.block_n}, {up.num_warps} warps, {up.num_stages} stages" in text
     w.routed.down_scale.view(torch.uint8)[0, 0, 0] = 200   # routed stage falls back: no GEMM line
     assert "routed GEMMs" not in DeepseekV4MoE(CFG, w).explain(3)
