@@ -17,6 +17,11 @@ Two launch strategies (seed 002):
                 program (p, g) loops over the [BLOCK_M, 128] tiles of group g in row
                 blocks p, p + P, ...; wide rows per program give 16-byte loads and
                 amortise the per-row id/weight loads; skipped rows cost one id load.
+* `rows`:       grid (cdiv(R, ROWS_BLOCK), G) over a list of R row indices (the routed
+                path's `route_rows`: the GEMM row of every route, -1 for non-local ones),
+                one [ROWS_BLOCK, 128] tile per program: the work follows the routes, not
+                the alignment's max_rows (at decode most of those rows are block padding:
+                Flash T = 16 has 96 routes in 1536 rows).
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ PERSISTENT_BLOCK_M = 16
 PERSISTENT_NUM_WARPS = 4
 PERSISTENT_PREFETCH = False
 PERSISTENT_MAXNREG = None  # ptxas register cap (None: the compiler's choice)
+ROWS_BLOCK = 16
+ROWS_NUM_WARPS = 4
 
 
 @triton.jit
@@ -157,8 +164,29 @@ def _swiglu_quant_persistent_kernel(
                                   stride_qm, stride_sm, stride_sg, stride_pm, SCALE_FMT, HAS_RW, USE_LIBDEVICE, PAIRS)
 
 
+@triton.jit
+def _swiglu_quant_rows_kernel(
+    gu_ptr, q_ptr, s_ptr, rw_ptr, ids_ptr, map_ptr, p_ptr, rows_ptr,
+    M, M_S, I, limit, R,
+    stride_gm, stride_qm, stride_sm, stride_sg, stride_pm,
+    SCALE_FMT: tl.constexpr, HAS_RW: tl.constexpr, HAS_IDS: tl.constexpr, HAS_MAP: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr, BLOCK_R: tl.constexpr, PAIRS: tl.constexpr = False,
+    PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
+):
+    """Program (pb, g): the rows rows[pb * BLOCK_R ...] (entries < 0 skipped) of group g."""
+    pdl_enter(PDL)
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    g = tl.program_id(1)
+    row = tl.load(rows_ptr + r, mask=r < R, other=-1)
+    rows = tl.where(row >= 0, row, M).to(tl.int64)  # M: out of range, so masked everywhere
+    gate, up, w, ok = _swiglu_load(gu_ptr, rw_ptr, ids_ptr, map_ptr, rows, g, M, I, stride_gm,
+                                   HAS_RW, HAS_IDS, HAS_MAP)
+    _swiglu_compute_store(gate, up, w, ok, q_ptr, s_ptr, p_ptr, rows, g, M, M_S, I, limit,
+                          stride_qm, stride_sm, stride_sg, stride_pm, SCALE_FMT, HAS_RW, USE_LIBDEVICE, PAIRS)
+
+
 def launch_swiglu_quant(gate_up, q_u8, s, rw, ids, emap, m_s: int, limit: float,
-                        scale_fmt_code: int, strategy: str, num_sms: int, pairs=None) -> None:
+                        scale_fmt_code: int, strategy: str, num_sms: int, pairs=None, rows=None) -> None:
     m = gate_up.shape[0]
     i = gate_up.shape[1] // 2
     g = triton.cdiv(i, 128)
@@ -169,7 +197,13 @@ def launch_swiglu_quant(gate_up, q_u8, s, rw, ids, emap, m_s: int, limit: float,
                  HAS_MAP=emap is not None, USE_LIBDEVICE=not interpreting(), PAIRS=pairs is not None)
     strides = (gate_up.stride(0), q_u8.stride(0), s.stride(0), s.stride(1),
                pairs.stride(0) if pairs is not None else 0)
-    if strategy == "group":
+    if strategy == "rows":
+        r = rows.shape[0]
+        if r:
+            _swiglu_quant_rows_kernel[(triton.cdiv(r, ROWS_BLOCK), g)](
+                *args, rows, m, m_s, i, float(limit), r, *strides, **flags, BLOCK_R=ROWS_BLOCK,
+                num_warps=ROWS_NUM_WARPS, **pdl_options(gate_up.device))
+    elif strategy == "group":
         _swiglu_quant_group_kernel[(m_s, g)](*args, m, m_s, i, float(limit), *strides, **flags, num_warps=1,
                                              **pdl_options(gate_up.device))
     elif strategy == "persistent":
@@ -182,4 +216,4 @@ def launch_swiglu_quant(gate_up, q_u8, s, rw, ids, emap, m_s: int, limit: float,
                                                     **({} if PERSISTENT_MAXNREG is None else
                                                        {"maxnreg": PERSISTENT_MAXNREG}))
     else:
-        raise ValueError(f"swiglu_quant: strategy={strategy!r}, expected 'group' or 'persistent'")
+        raise ValueError(f"swiglu_quant: strategy={strategy!r}, expected 'group', 'persistent' or 'rows'")

@@ -4,9 +4,9 @@
     gu    = mxfp4_grouped_gemm(q, sa, gate_up)          [max_rows, 2I] bf16, rows gathered
                                                          by token = route // k
     hq,hs = swiglu_quant(gu, limit, route_weight=align.row_weight,
-                         expert_ids=align.row_expert)   clamp, silu*up, * route weight
-                                                         (BEFORE w2), bf16, act_quant;
-                                                         padding rows (-1) skipped
+                         rows=align.route_rows)         clamp, silu*up, * route weight
+                                                         (BEFORE w2), bf16, act_quant; only
+                                                         the rows of local routes
     y     = mxfp4_grouped_gemm(hq, hs, down)            rows scattered to slot r = t*k + slot
 
     q             [T, H]            float8_e4m3fn   act_quant(x)
@@ -29,7 +29,6 @@ rounding of gu (and from there, rarely, an FP8 code of hq). No host syncs: captu
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
@@ -39,10 +38,6 @@ from .moe_align import MoeAlignment, moe_align
 from .mxfp4_grouped_gemm import GemmConfig, gemv_config, mxfp4_grouped_gemm, select_config
 
 __all__ = ["routed_experts_forward", "routed_configs"]
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
@@ -175,16 +170,19 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
     gu = mxfp4_grouped_gemm(q, sa, routed.gate_up, routed.gate_up_scale, align,
                             gather_a=True, scatter_out=False, config=cfg_up, layout=routed.layout,
                             a_pairs=q_pairs if cfg_up.a_bf16 else None)
-    # NOTE: the persistent strategy loops to a runtime bound, which the Triton interpreter
-    # (numpy 2) cannot run; under TRITON_INTERPRET use the one-program-per-group strategy
-    # (same numerics: both are bitwise the reference swiglu_quant).
+    # NOTE (session 13): the SwiGLU-quant works on the route list (align.route_rows: the GEMM
+    # row of each local route), not on the alignment's max_rows rows - at decode most of
+    # those are block padding (Flash T = 16: 96 routes in 1536 rows; the persistent grid
+    # over all of them took 12.9 us in the session-11 profile). Same rows computed, same
+    # bits (tests/test_kernels_swiglu_quant.py); H200 figures in BENCHMARKS.md, session 13.
+    # The route list holds exactly the rows with a local route (row_expert >= 0), so no
+    # per-row expert filter (and its dependent id load) is needed.
     if swiglu == "fused":
-        strategy = "group" if _interpreting() else None
         hq, hs, *hp = swiglu_quant(gu, limit=float(limit), route_weight=align.row_weight,
-                                   expert_ids=align.row_expert, strategy=strategy, pairs=cfg_down.a_bf16)
+                                   rows=align.route_rows, pairs=cfg_down.a_bf16)
     else:
         hq, hs, *hp = swiglu_quant_unfused(gu, limit=float(limit), route_weight=align.row_weight,
-                                           expert_ids=align.row_expert, pairs=cfg_down.a_bf16)
+                                           rows=align.route_rows, pairs=cfg_down.a_bf16)
     mxfp4_grouped_gemm(hq, hs, routed.down, routed.down_scale, align,
                        gather_a=False, scatter_out=True, out=y, config=cfg_down, layout=routed.layout,
                        a_pairs=hp[0] if hp else None)

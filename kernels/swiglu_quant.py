@@ -14,7 +14,9 @@ second operand with GemmConfig.a_bf16; I % 128 == 0); skipped rows keep its byte
 
 Row filtering (routed experts under EP): rows with expert_ids[row] == -1, or with
 expert_map[expert_ids[row]] == -1, are skipped: their q rows and scales are left
-untouched (pass out_q / out_s to keep what was there).
+untouched (pass out_q / out_s to keep what was there). `rows` (int32 [R], e.g.
+`MoeAlignment.route_rows`) instead lists the rows to compute (entries < 0 skipped; each
+row at most once): the kernel's work then follows R, not M (strategy "rows").
 
 `swiglu_quant_unfused` is the twin made of separate torch ops + act_quant, with the bf16
 activation materialised; fused and unfused are bitwise equal on the same device (the
@@ -56,6 +58,19 @@ def choose_strategy(m: int, intermediate: int, filtered: bool) -> str:
     if m * intermediate >= PERSISTENT_MIN_ELEMENTS:
         return "persistent"
     return "group"
+
+
+def _check_rows(fn, rows, m, device, scale_fmt):
+    if rows is None:
+        return
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.int32 or rows.dim() != 1 or rows.device != device:
+        raise ValueError(f"{fn}: rows must be an int32 [R] tensor on {device}, got "
+                         f"{getattr(rows, 'dtype', type(rows))} {tuple(getattr(rows, 'shape', ()))}")
+    if rows.numel() > 1 and rows.stride(0) != 1:
+        raise ValueError(f"{fn}: rows must be contiguous, stride {rows.stride()}")
+    if scale_fmt == "fp32_cm":
+        raise ValueError(f"{fn}: rows is not supported with scale_fmt='fp32_cm' (its padded scale rows "
+                         f"are written by the row-range strategies only)")
 
 
 def _check_inputs(fn, gate_up, route_weight, expert_ids, expert_map):
@@ -121,7 +136,8 @@ def swiglu_quant(gate_up: torch.Tensor, *, limit: float = 10.0,
                  scale_fmt: str = "fp32",
                  out_q: Optional[torch.Tensor] = None, out_s: Optional[torch.Tensor] = None,
                  strategy: Optional[str] = None, pairs: bool = False,
-                 out_pairs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
+                 out_pairs: Optional[torch.Tensor] = None,
+                 rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
     """Fused clamped SwiGLU + FP8 group quant (one Triton launch; none when M = 0).
 
     Args:
@@ -132,9 +148,13 @@ def swiglu_quant(gate_up: torch.Tensor, *, limit: float = 10.0,
         expert_map    [E]      int32 or None; rows with expert_map[expert_ids] == -1 skipped
         scale_fmt     str      "fp32" | "e8m0" | "fp32_cm" | "amax" (see act_quant)
         out_q, out_s           optional preallocated outputs (skipped rows keep their bytes)
-        strategy      str      None (choose_strategy) | "group" | "persistent"
+        strategy      str      None (choose_strategy; "rows" when `rows` is given) | "group" |
+                               "persistent" | "rows"
         pairs         bool     also return bf16(q) in the "pairs" layout (act_quant)
         out_pairs     [M, I]   bfloat16, optional preallocated pairs output (pairs=True)
+        rows          [R]      int32 or None: compute only these rows (entries outside [0, M)
+                               skipped, each row at most once; the expert filters still apply);
+                               strategy "rows"
     Returns:
         q  [M, I] float8_e4m3fn;  s  scales in `scale_fmt`'s layout, G = ceil(I/128);
         p  [M, I] bfloat16, only with pairs=True
@@ -142,22 +162,26 @@ def swiglu_quant(gate_up: torch.Tensor, *, limit: float = 10.0,
     fn = "swiglu_quant"
     code = scale_fmt_code(scale_fmt, fn)
     m, i = _check_inputs(fn, gate_up, route_weight, expert_ids, expert_map)
+    _check_rows(fn, rows, m, gate_up.device, scale_fmt)
     out_q, out_s = _outputs(fn, m, i, scale_fmt, gate_up.device, out_q, out_s)
     p = _pairs_out(fn, pairs, out_pairs, m, i, gate_up.device)
     m_s = out_s.shape[0]
     if m_s == 0:
         return (out_q, out_s, p) if pairs else (out_q, out_s)
     if strategy is None:
-        strategy = choose_strategy(m, i, expert_ids is not None)
-    if strategy not in ("group", "persistent"):
-        raise ValueError(f"{fn}: strategy={strategy!r}, expected None, 'group' or 'persistent'")
+        strategy = "rows" if rows is not None else choose_strategy(m, i, expert_ids is not None)
+    if strategy not in ("group", "persistent", "rows"):
+        raise ValueError(f"{fn}: strategy={strategy!r}, expected None, 'group', 'persistent' or 'rows'")
+    if (strategy == "rows") != (rows is not None):
+        raise ValueError(f"{fn}: strategy={strategy!r} with rows={'given' if rows is not None else None}: "
+                         f"strategy 'rows' and the rows argument go together")
     from ._swiglu_quant import launch_swiglu_quant
 
     num_sms = (torch.cuda.get_device_properties(gate_up.device).multi_processor_count
                if gate_up.device.type == "cuda" else 4)
     s_view = out_s.view(torch.uint8) if out_s.dtype == torch.float8_e8m0fnu else out_s
     launch_swiglu_quant(gate_up, out_q.view(torch.uint8), s_view, route_weight, expert_ids, expert_map,
-                        m_s, limit, code, strategy, num_sms, p)
+                        m_s, limit, code, strategy, num_sms, p, rows)
     return (out_q, out_s, p) if pairs else (out_q, out_s)
 
 
@@ -167,8 +191,8 @@ def swiglu_quant_unfused(gate_up: torch.Tensor, *, limit: float = 10.0,
                          expert_map: Optional[torch.Tensor] = None,
                          scale_fmt: str = "fp32",
                          out_q: Optional[torch.Tensor] = None, out_s: Optional[torch.Tensor] = None,
-                         pairs: bool = False, out_pairs: Optional[torch.Tensor] = None
-                         ) -> tuple[torch.Tensor, ...]:
+                         pairs: bool = False, out_pairs: Optional[torch.Tensor] = None,
+                         rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
     """The unfused twin of `swiglu_quant` (same arguments and outputs, no `strategy`):
     separate torch ops with the bf16 activation materialised, then the Triton
     `act_quant`; filtered rows are copied out with torch indexing. Bitwise equal to the
@@ -176,6 +200,7 @@ def swiglu_quant_unfused(gate_up: torch.Tensor, *, limit: float = 10.0,
     fn = "swiglu_quant_unfused"
     scale_fmt_code(scale_fmt, fn)
     m, i = _check_inputs(fn, gate_up, route_weight, expert_ids, expert_map)
+    _check_rows(fn, rows, m, gate_up.device, scale_fmt)
     out_q, out_s = _outputs(fn, m, i, scale_fmt, gate_up.device, out_q, out_s)
     p = _pairs_out(fn, pairs, out_pairs, m, i, gate_up.device)
     ret = (out_q, out_s, p) if pairs else (out_q, out_s)
@@ -189,11 +214,17 @@ def swiglu_quant_unfused(gate_up: torch.Tensor, *, limit: float = 10.0,
     if route_weight is not None:
         h = h * route_weight[:, None]
     hb = h.to(torch.bfloat16)
-    if expert_ids is None:
+    if expert_ids is None and rows is None:
         act_quant(hb, scale_fmt=scale_fmt, out_q=out_q, out_s=out_s, pairs=pairs, out_pairs=p)
         return ret
     q, s, *qp = act_quant(hb, scale_fmt=scale_fmt, pairs=pairs)
-    keep = expert_ids >= 0
+    keep = torch.ones(m, dtype=torch.bool, device=gate_up.device)
+    if rows is not None:  # listed rows only: scatter into a spare slot m for the -1 entries
+        listed = torch.zeros(m + 1, dtype=torch.bool, device=gate_up.device)
+        listed[torch.where((rows >= 0) & (rows < m), rows, m).long()] = True
+        keep = listed[:m]
+    if expert_ids is not None:
+        keep = keep & (expert_ids >= 0)
     if expert_map is not None:
         keep = keep & (expert_map[expert_ids.clamp_min(0).long()] >= 0)
     # torch.where keeps the launch count fixed (CUDA-graph friendly, no host sync).

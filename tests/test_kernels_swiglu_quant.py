@@ -209,3 +209,57 @@ def test_wrapper_errors_name_the_argument():
         swiglu_quant(x, strategy="fast")
     with pytest.raises(ValueError, match="out_q"):
         swiglu_quant(x, out_q=torch.empty(2, 256, dtype=torch.float8_e4m3fn, device=DEV))
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_rows_strategy_matches_filtered_rows(pairs):
+    """strategy "rows" (the routed path: align.route_rows lists the GEMM row of each local
+    route, -1 for the others) computes exactly the listed rows, bit for bit the reference
+    there and the expert_ids-filtered call's bytes everywhere; unlisted rows keep theirs.
+    37 listed entries span three 16-row programs, the last one partial; -1 and an
+    out-of-range entry are skipped. The unfused twin takes the same rows argument."""
+    m, i = 40, 256
+    x = _gate_up(m, i, seed=13)
+    w = torch.rand(m)
+    g = torch.Generator().manual_seed(3)
+    listed = torch.randperm(m, generator=g)[:35].int()
+    rows = torch.cat([listed[:20], torch.tensor([-1], dtype=torch.int32), listed[20:],
+                      torch.tensor([m + 5], dtype=torch.int32)])
+    keep = torch.zeros(m, dtype=torch.bool)
+    keep[listed.long()] = True
+    ids = torch.where(keep, 0, -1).int()
+    rq, rs = ref.swiglu_quant(x, 10.0, w)
+    outs = {}
+    for name in ("rows", "filtered", "unfused"):
+        oq = torch.full((m, i), 0x5A, dtype=torch.uint8, device=DEV).view(torch.float8_e4m3fn)
+        os_ = torch.full((m, 2), -3.0, device=DEV)
+        op = torch.full((m, i), -5.0, dtype=torch.bfloat16, device=DEV) if pairs else None
+        kw = dict(route_weight=w.to(DEV), out_q=oq, out_s=os_, pairs=pairs, out_pairs=op)
+        if name == "rows":
+            swiglu_quant(x.to(DEV), rows=rows.to(DEV), **kw)
+        elif name == "filtered":
+            swiglu_quant(x.to(DEV), expert_ids=ids.to(DEV), strategy="group", **kw)
+        else:
+            swiglu_quant_unfused(x.to(DEV), rows=rows.to(DEV), **kw)
+        outs[name] = (oq.cpu(), os_.cpu(), op.cpu() if pairs else None)
+        q8, s = oq.cpu().view(torch.uint8), os_.cpu()
+        assert (q8[~keep] == 0x5A).all() and (s[~keep] == -3.0).all(), f"{name}: unlisted rows were written"
+        assert_bytes_equal(q8[keep], rq.view(torch.uint8)[keep], f"{name} listed codes")
+        assert_bytes_equal(s[keep], rs[keep], f"{name} listed scales")
+    for name in ("filtered", "unfused"):
+        for a, b, what in zip(outs["rows"], outs[name], ("q", "s", "pairs")):
+            if a is not None:
+                assert_bytes_equal(a, b, f"rows vs {name}: {what}")
+
+
+def test_rows_argument_errors():
+    x = torch.zeros(4, 256, dtype=torch.bfloat16, device=DEV)
+    r = torch.zeros(2, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="rows must be an int32"):
+        swiglu_quant(x, rows=r.long())
+    with pytest.raises(ValueError, match="strategy='group' with rows=given"):
+        swiglu_quant(x, rows=r, strategy="group")
+    with pytest.raises(ValueError, match="strategy='rows' with rows=None"):
+        swiglu_quant(x, strategy="rows")
+    with pytest.raises(ValueError, match="fp32_cm"):
+        swiglu_quant_unfused(x, rows=r, scale_fmt="fp32_cm")
