@@ -39,6 +39,12 @@ from .mxfp4_grouped_gemm import GemmConfig, gemv_config, mxfp4_grouped_gemm, sel
 
 __all__ = ["routed_experts_forward", "routed_configs"]
 
+# 1: the SwiGLU-quant between the GEMMs computes the rows of the route list (session 13);
+# 0: the row-range strategies over all max_rows rows, filtered by row_expert (before it).
+# Same bits either way; kept as a module constant for the A/B of
+# `scripts/gpu_profile_layer.py --ab dsv4_moe.kernels.routed_experts.SWIGLU_ROUTE_LIST=0,1`.
+SWIGLU_ROUTE_LIST = 1
+
 
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
     """(gate_up config, down config); both share BLOCK_M because they share one alignment."""
@@ -165,6 +171,7 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
                                     topk_weights)
     if t * k == 0:
         return (y.view(t, k, h), align) if return_alignment else y.view(t, k, h)
+    from ._triton_utils import interpreting
     from .swiglu_quant import swiglu_quant, swiglu_quant_unfused  # SPEC §5.1
 
     gu = mxfp4_grouped_gemm(q, sa, routed.gate_up, routed.gate_up_scale, align,
@@ -177,12 +184,15 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
     # bits (tests/test_kernels_swiglu_quant.py); H200 figures in BENCHMARKS.md, session 13.
     # The route list holds exactly the rows with a local route (row_expert >= 0), so no
     # per-row expert filter (and its dependent id load) is needed.
+    sel = dict(rows=align.route_rows) if SWIGLU_ROUTE_LIST else dict(expert_ids=align.row_expert)
     if swiglu == "fused":
+        if not SWIGLU_ROUTE_LIST and interpreting():  # the persistent grid's runtime-bound loop
+            sel["strategy"] = "group"
         hq, hs, *hp = swiglu_quant(gu, limit=float(limit), route_weight=align.row_weight,
-                                   rows=align.route_rows, pairs=cfg_down.a_bf16)
+                                   pairs=cfg_down.a_bf16, **sel)
     else:
         hq, hs, *hp = swiglu_quant_unfused(gu, limit=float(limit), route_weight=align.row_weight,
-                                           rows=align.route_rows, pairs=cfg_down.a_bf16)
+                                           pairs=cfg_down.a_bf16, **sel)
     mxfp4_grouped_gemm(hq, hs, routed.down, routed.down_scale, align,
                        gather_a=False, scatter_out=True, out=y, config=cfg_down, layout=routed.layout,
                        a_pairs=hp[0] if hp else None)
