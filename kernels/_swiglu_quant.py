@@ -49,6 +49,7 @@ PERSISTENT_PREFETCH = False
 PERSISTENT_MAXNREG = None  # ptxas register cap (None: the compiler's choice)
 ROWS_BLOCK = 16
 ROWS_NUM_WARPS = 4
+ROWS_SMALL_MAX_R = 32  # up to this many listed rows: one row per program, 1 warp (as "group")
 
 
 @triton.jit
@@ -199,10 +200,11 @@ def launch_swiglu_quant(gate_up, q_u8, s, rw, ids, emap, m_s: int, limit: float,
                pairs.stride(0) if pairs is not None else 0)
     if strategy == "rows":
         r = rows.shape[0]
+        br, nw = (1, 1) if r <= ROWS_SMALL_MAX_R else (ROWS_BLOCK, ROWS_NUM_WARPS)
         if r:
-            _swiglu_quant_rows_kernel[(triton.cdiv(r, ROWS_BLOCK), g)](
-                *args, rows, m, m_s, i, float(limit), r, *strides, **flags, BLOCK_R=ROWS_BLOCK,
-                num_warps=ROWS_NUM_WARPS, **pdl_options(gate_up.device))
+            _swiglu_quant_rows_kernel[(triton.cdiv(r, br), g)](
+                *args, rows, m, m_s, i, float(limit), r, *strides, **flags, BLOCK_R=br,
+                num_warps=nw, **pdl_options(gate_up.device))
     elif strategy == "group":
         _swiglu_quant_group_kernel[(m_s, g)](*args, m, m_s, i, float(limit), *strides, **flags, num_warps=1,
                                              **pdl_options(gate_up.device))

@@ -7,8 +7,10 @@
 Per preset (Flash: I = 2048, 256 experts; Pro-TP8: I/tp = 384, 384 experts) and T: random
 top-6 routes, the layer's block_m (routed_configs), gate_up = random bf16 [max_rows, 2I]
 (L2-warm, as the GEMM that writes it leaves it), pairs as the layer's down config asks.
-Times (CUDA graphs, us) "group", "persistent", the old automatic choice and "rows"; checks
-that "rows" writes the same bytes as the filtered call on every row holding a route.
+Times (CUDA graphs, us) "group", "persistent", the old automatic choice, and "rows" with
+16-row tiles (4 warps) and with one row per program ("rows1", 1 warp; the layer takes it up
+to ROWS_SMALL_MAX_R routes); checks that both write the same bytes as the filtered call on
+every row holding a route.
 Writes $OUT/probe_swiglu_rows.json.
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_probe_swz import graph_time  # noqa: E402
 
+import dsv4_moe.kernels._swiglu_quant as body  # noqa: E402
 from dsv4_moe.kernels.moe_align import moe_align  # noqa: E402
 from dsv4_moe.kernels.routed_experts import routed_configs  # noqa: E402
 from dsv4_moe.kernels.swiglu_quant import choose_strategy, swiglu_quant  # noqa: E402
@@ -51,10 +54,13 @@ def main():
             pairs = down.a_bf16
             old = choose_strategy(m, i, True)
             res, times = {}, {}
-            for name in ("group", "persistent", "rows"):
+            saved = body.ROWS_SMALL_MAX_R
+            for name in ("group", "persistent", "rows", "rows1"):
                 kw = dict(route_weight=a.row_weight, pairs=pairs)
-                if name == "rows":
+                if name.startswith("rows"):
                     kw["rows"] = a.route_rows
+                    # rows: 16-row tiles, 4 warps; rows1: one row per program, 1 warp
+                    body.ROWS_SMALL_MAX_R = 1 << 30 if name == "rows1" else 0
                 else:
                     kw.update(expert_ids=a.row_expert, strategy=name)
                 fn = lambda kw=kw: swiglu_quant(gu, **kw)  # noqa: E731
@@ -63,13 +69,16 @@ def main():
                 keep = a.row_expert >= 0
                 res[name] = [o[keep].contiguous().view(torch.uint8) if o.dtype != torch.float32 else o[keep] for o in out]
                 times[name] = graph_time(fn)
-            same = all(torch.equal(x, y) for x, y in zip(res["rows"], res[old]))
+            body.ROWS_SMALL_MAX_R = saved
+            same = all(torch.equal(x, y) and torch.equal(x, z)
+                       for x, y, z in zip(res["rows"], res[old], res["rows1"]))
             row = dict(preset=preset, T=t, I=i, max_rows=m, routes=t * 6, block_m=up.block_m, pairs=pairs,
                        old=old, us={k: round(v, 2) for k, v in times.items()},
                        speedup_vs_old=times[old] / times["rows"], rows_bitwise_old=same)
             rows_out.append(row)
             print(f"{preset:8s} T={t:5d} rows {t * 6:6d}/{m:6d} bm{up.block_m:3d}  group {times['group']:8.2f}  "
-                  f"persistent {times['persistent']:8.2f}  rows {times['rows']:8.2f} us  old={old}: "
+                  f"persistent {times['persistent']:8.2f}  rows {times['rows']:8.2f}  rows1 {times['rows1']:8.2f} us  "
+                  f"old={old}: "
                   f"x{times[old] / times['rows']:.2f}  bitwise {same}", flush=True)
     with open(os.path.join(out_dir, "probe_swiglu_rows.json"), "w") as fh:
         json.dump(dict(device=torch.cuda.get_device_name(), commit=os.environ.get("DSV4_MOE_GIT_COMMIT", "?"),

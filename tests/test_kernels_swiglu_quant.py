@@ -211,13 +211,18 @@ def test_wrapper_errors_name_the_argument():
         swiglu_quant(x, out_q=torch.empty(2, 256, dtype=torch.float8_e4m3fn, device=DEV))
 
 
+@pytest.mark.parametrize("one_row", [False, True])
 @pytest.mark.parametrize("pairs", [False, True])
-def test_rows_strategy_matches_filtered_rows(pairs):
+def test_rows_strategy_matches_filtered_rows(monkeypatch, pairs, one_row):
     """strategy "rows" (the routed path: align.route_rows lists the GEMM row of each local
     route, -1 for the others) computes exactly the listed rows, bit for bit the reference
     there and the expert_ids-filtered call's bytes everywhere; unlisted rows keep theirs.
     37 listed entries span three 16-row programs, the last one partial; -1 and an
-    out-of-range entry are skipped. The unfused twin takes the same rows argument."""
+    out-of-range entry are skipped (one_row: the one-row-per-program launch of short lists).
+    The unfused twin takes the same rows argument."""
+    import dsv4_moe.kernels._swiglu_quant as body
+
+    monkeypatch.setattr(body, "ROWS_SMALL_MAX_R", 1 << 30 if one_row else 0)
     m, i = 40, 256
     x = _gate_up(m, i, seed=13)
     w = torch.rand(m)
