@@ -27,7 +27,7 @@ import torch
 __all__ = [
     "DispatchContext", "Path", "STAGES", "select", "plan", "explain", "force_paths",
     "has_cuda", "has_fp8_mma", "has_pdl", "has_triton", "is_gfx950",
-    "PDL_MODE", "PDL_MODES", "pdl_mode", "pdl_scope", "pdl_policy",
+    "PDL_MODE", "PDL_MODES", "pdl_mode", "pdl_scope", "pdl_policy", "shared_overlap_policy",
 ]
 
 
@@ -117,6 +117,26 @@ def pdl_policy(num_tokens: int, shared_overlapped: bool) -> tuple[str, str]:
     if shared_overlapped and num_tokens > 1:
         return "exit", "shared expert overlapped, T > 1: successors released at CTA exit"
     return "early", ("T = 1" if shared_overlapped else "shared expert in line") + ": successors released early"
+
+
+def shared_overlap_policy(num_tokens: int, num_local_experts: int, top_k: int,
+                          intermediate: int) -> tuple[bool, str]:
+    """(overlap, reason): whether a layer forward runs the shared expert on its side stream
+    (DeepseekV4MoE(overlap_shared="auto"), CUDA)."""
+    # NOTE: H200, session 13 (docs/bench/2026-11-29/session13/profile_layer_overlap_924e2de.txt,
+    # graph us, in line with PDL early vs overlapped with PDL at exit, this policy's two
+    # choices): Flash (I = 2048, 256 experts) T=16 493.2 / 476.3 (overlap), T=32 716.2 /
+    # 744.7, T=48 933.5 / 972.4, T=64 1058.6 / 1109.3, T=96 1240.9 / 1381.0, T=128 1305.2 /
+    # 1433.5, T=192 1419.3 / 1493.7, T=256 1440.5 / 1537.5 (in line, 4-10 % faster; session 7
+    # measured the same at T=256: 1528.8 / 1583.2), T=384 1913.0 / 1903.2, T=512 and up level.
+    # Pro-TP8 (I/tp = 384): the overlap is faster or level at every T (T=8 148.0 vs 169.2 in
+    # line, T=256 771.0 vs 813.7). So in line where the Flash-shaped routed GEMMs run the
+    # 16-row swap body at 0.5-8 routed rows per expert; overlapped elsewhere.
+    rows = num_tokens * top_k / max(num_local_experts, 1)
+    if intermediate >= 2048 and 0.5 <= rows <= 8:
+        return False, (f"in line: {rows:.2f} routed rows per expert with I = {intermediate} (the side "
+                       f"stream slowed such layers 4-10 % on the H200)")
+    return True, f"on a side stream, overlapped with the routed experts ({rows:.2f} routed rows per expert)"
 
 
 def has_pdl(device: torch.device) -> tuple[bool, str]:

@@ -125,18 +125,21 @@ class DeepseekV4MoE(_NativeBuffers):
     given layout otherwise; "nk" / "mma64" force one. A conversion makes new tensors
     (the caller's are never modified); `explain()` states the layout and why.
 
-    `overlap_shared` (default True): on CUDA the shared expert runs on a side stream,
-    concurrently with the router and the routed experts (they only meet in finalize), and
-    joins before finalize; a CUDA graph captures the fork and join. The results are the
-    same bits either way (independent kernels); the overlap fills the GPU at decode, where
-    each kernel alone leaves most SMs idle.
+    `overlap_shared` ("auto" default, True, False): on CUDA the shared expert can run on a
+    side stream, concurrently with the router and the routed experts (they only meet in
+    finalize), joining before finalize; a CUDA graph captures the fork and join. The
+    results are the same bits either way (independent kernels). True always overlaps,
+    False never; "auto" asks `dispatch.shared_overlap_policy` per forward (the overlap
+    fills the GPU at decode, where each kernel alone leaves most SMs idle, but slowed the
+    Flash-shaped layers at 0.5-8 routed rows per expert on the H200). `explain(T)` says
+    which and why.
     """
 
     def __init__(self, config: MoEConfig, weights: MoELayerWeights, *, group=None, routed_layout: str = "auto",
-                 overlap_shared: bool = True):
+                 overlap_shared: "bool | str" = "auto"):
         super().__init__()
-        if not isinstance(overlap_shared, bool):
-            raise TypeError(f"overlap_shared={overlap_shared!r}: expected a bool")
+        if not (isinstance(overlap_shared, bool) or overlap_shared == "auto"):
+            raise TypeError(f"overlap_shared={overlap_shared!r}: expected 'auto', True or False")
         self.overlap_shared = overlap_shared
         self._side_streams: dict = {}
         config.check_parallel(tp_rank=weights.tp_rank, tp_size=weights.tp_size, ep_rank=weights.ep_rank,
@@ -215,7 +218,7 @@ class DeepseekV4MoE(_NativeBuffers):
             return torch.empty_like(x)
         if dispatch.PDL_MODE != "auto" or x.device.type != "cuda":
             return self._forward(x, input_ids, t)
-        with dispatch.pdl_scope(dispatch.pdl_policy(t, self._side_stream(x.device) is not None)[0]):
+        with dispatch.pdl_scope(dispatch.pdl_policy(t, self._side_stream(x.device, t) is not None)[0]):
             return self._forward(x, input_ids, t)
 
     def _forward(self, x: torch.Tensor, input_ids: Optional[torch.Tensor], t: int) -> torch.Tensor:
@@ -228,7 +231,7 @@ class DeepseekV4MoE(_NativeBuffers):
         # conversion launch) when the routed GEMM config takes them at this T
         pairs = routed.name == "triton" and stages.routed_wants_pairs(t * c.num_experts_per_tok, self.routed)
         q, sa, *q_pairs = dispatch.select("act_quant", ctx).impl(x, pairs=pairs)
-        side = self._side_stream(x.device)
+        side = self._side_stream(x.device, t)
         if side is None:
             shared = self.shared_experts.forward_quantised(q, sa, ctx)
         else:  # fork: the shared expert on the side stream once q, sa exist
@@ -270,9 +273,21 @@ class DeepseekV4MoE(_NativeBuffers):
             return " (now on CUDA: layer.set_routed_layout('mma64') takes the faster layout)"
         return ""
 
-    def _side_stream(self, device: torch.device):
+    def shared_overlap(self, num_tokens: int) -> tuple[bool, str]:
+        """(overlapped, reason) for the shared expert of a forward over num_tokens tokens."""
+        if self.device.type != "cuda":
+            return False, f"in line (device {self.device.type})"
+        if self.overlap_shared is not True and self.overlap_shared is not False:  # "auto"
+            return dispatch.shared_overlap_policy(num_tokens, self.num_local_experts,
+                                                  self.config.num_experts_per_tok,
+                                                  self.config.local_intermediate(self.tp_size))
+        if self.overlap_shared:
+            return True, "on a side stream, overlapped with the routed experts (overlap_shared=True)"
+        return False, "in line (overlap_shared=False)"
+
+    def _side_stream(self, device: torch.device, num_tokens: int):
         """The side stream of `device` for the shared expert (None: run it in line)."""
-        if not self.overlap_shared or device.type != "cuda":
+        if device.type != "cuda" or not self.shared_overlap(num_tokens)[0]:
             return None
         key = device.index if device.index is not None else torch.cuda.current_device()
         if key not in self._side_streams:
@@ -287,12 +302,10 @@ class DeepseekV4MoE(_NativeBuffers):
                 f"{c.n_routed_experts}, top-{c.num_experts_per_tok}\n"
                 f"routed weights in layout {self.routed_layout!r}: {self.routed_layout_reason}"
                 f"{self._layout_hint()}\n"
-                f"shared expert: " + ("on a side stream, overlapped with the routed experts (CUDA)"
-                                      if self.overlap_shared and self.device.type == "cuda" else
-                                      "in line" + ("" if self.overlap_shared else " (overlap_shared=False)")
-                                      + ("" if self.device.type == "cuda" else f" (device {self.device.type})")))
+                f"shared expert: {self.shared_overlap(num_tokens)[1]}")
         if self.device.type == "cuda" and dispatch.has_pdl(self.device)[0]:
-            mode, why = (dispatch.pdl_policy(num_tokens, self.overlap_shared) if dispatch.PDL_MODE == "auto"
+            mode, why = (dispatch.pdl_policy(num_tokens, self.shared_overlap(num_tokens)[0])
+                         if dispatch.PDL_MODE == "auto"
                          else (dispatch.PDL_MODE, "dispatch.PDL_MODE"))
             head += f"\nprogrammatic dependent launch: {mode} ({why})"
         return head + "\n" + dispatch.explain(self.context(num_tokens)) + self._gemm_plan(num_tokens)

@@ -49,7 +49,14 @@ PERSISTENT_PREFETCH = False
 PERSISTENT_MAXNREG = None  # ptxas register cap (None: the compiler's choice)
 ROWS_BLOCK = 16
 ROWS_NUM_WARPS = 4
-ROWS_SMALL_MAX_R = 32  # up to this many listed rows: one row per program, 1 warp (as "group")
+# NOTE: up to ROWS_SMALL_MAX_R listed rows one row per program (1 warp, as "group"), else
+# 16-row tiles of 4 warps. H200, session 13 (docs/bench/2026-11-29/session13/
+# probe_swiglu_rows_924e2de.txt, graphs, us, one row / 16-row tiles): Flash (I = 2048)
+# 6 rows 2.98 / 4.78, 24 rows 3.63 / 4.52, 48 rows 3.73 / 3.97, 96 rows 3.05 / 3.91, 384
+# rows 8.62 / 3.90; Pro-TP8 (I = 384) 96 rows 2.21 / 2.62, 384 rows 3.52 / 3.56, 1536 rows
+# 7.06 / 3.53. The row-range strategies over the alignment's max_rows took 3.1-13.5 us at
+# 6-96 routes and 35-87 us at 384-6144 (Flash).
+ROWS_SMALL_MAX_R = 128
 
 
 @triton.jit

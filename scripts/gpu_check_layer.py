@@ -71,12 +71,19 @@ def check_layer(name, cfg, weights, rows, tokens, ref_tokens, graph_tokens, rout
                          "ok": _bytes_equal(outs[mode], outs["off"]),
                          "detail": f"{n} differ ({'PDL available' if pdl else why})"})
         if t in graph_tokens[:2]:  # the shared expert on a side stream vs in line: same bits
-            layer.overlap_shared = False
-            with torch.no_grad():
-                inline = layer(x, ids)
-            layer.overlap_shared = True
-            rows.append({"case": name, "check": "overlap==in line", "T": t, "ok": _bytes_equal(fused, inline),
-                         "detail": "shared expert on a side stream vs the main stream"})
+            saved_ov = layer.overlap_shared
+            forced = {}
+            try:
+                for ov in (False, True):
+                    layer.overlap_shared = ov
+                    with torch.no_grad():
+                        forced[ov] = layer(x, ids)
+            finally:
+                layer.overlap_shared = saved_ov
+            rows.append({"case": name, "check": "overlap==in line", "T": t,
+                         "ok": _bytes_equal(forced[True], forced[False]) and _bytes_equal(fused, forced[True]),
+                         "detail": f"shared expert on a side stream vs the main stream (default here: "
+                                   f"{layer.shared_overlap(t)[1]})"})
         if t in ref_tokens:
             t0 = time.time()
             if weights_cpu is None:

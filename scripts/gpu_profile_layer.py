@@ -88,8 +88,8 @@ def main():
     ap.add_argument("--tokens", default="1,4,16")
     ap.add_argument("--presets", default="flash,pro-tp8")
     ap.add_argument("--ab", default="",
-                    help="module.ATTR=v1,v2,...: also time the default forward (PDL auto, shared expert "
-                         "overlapped) with the module constant set to each value, interleaved with the other "
+                    help="module.ATTR=v1,v2,...: also time the default forward (PDL auto, overlap_shared "
+                         "'auto') with the module constant set to each value, interleaved with the other "
                          "graphs (e.g. dsv4_moe.kernels._swiglu_quant.FILTERED_GROUPS_PER_PROGRAM=1,4,16)")
     args = ap.parse_args()
     ab_mod = ab_attr = None
@@ -123,7 +123,7 @@ def main():
                     graphs[(ov, mode)] = capture(layer, x, ids)
             dispatch.PDL_MODE = saved
             if ab_vals:
-                layer.overlap_shared = True
+                layer.overlap_shared = "auto"
                 base = getattr(ab_mod, ab_attr)
                 for v in ab_vals:
                     setattr(ab_mod, ab_attr, v)
@@ -133,7 +133,7 @@ def main():
             del graphs
             layer.overlap_shared = False
             table = kernel_table(layer, x, ids)
-            layer.overlap_shared = True
+            layer.overlap_shared = "auto"
             ksum = sum(r[2] for r in table)
             def trio(ov):
                 return " / ".join(f"{res[(ov, m)]:.1f}" for m in dispatch.PDL_MODES)

@@ -157,14 +157,33 @@ def test_load_default_and_run_cli():
 
 
 def test_overlap_shared_option():
-    """The shared expert's side stream is a CUDA-only execution choice: rejected when not a
-    bool, stated by explain(), and the same output either way (on CPU it runs in line)."""
+    """The shared expert's side stream is a CUDA-only execution choice: rejected unless
+    'auto' or a bool, stated by explain(), and the same output either way (on CPU it runs
+    in line whatever the option says)."""
     cfg = MoEConfig.tiny()
     w = random_layer_weights(cfg, layer_idx=cfg.num_hash_layers, seed=2)
-    with pytest.raises(TypeError, match="overlap_shared='yes'"):
+    with pytest.raises(TypeError, match="overlap_shared='yes': expected 'auto', True or False"):
         DeepseekV4MoE(cfg, w, overlap_shared="yes")
     on, off = DeepseekV4MoE(cfg, w), DeepseekV4MoE(cfg, w, overlap_shared=False)
+    assert on.overlap_shared == "auto"
     assert "shared expert: in line (device cpu)" in on.explain(2)
-    assert "overlap_shared=False" in off.explain(2)
+    assert "shared expert: in line (device cpu)" in off.explain(2)
+    assert on.shared_overlap(2) == (False, "in line (device cpu)")
     x = torch.randn(3, cfg.hidden_size).bfloat16()
     assert_bitwise_equal(on(x), off(x), "overlap_shared on vs off")
+
+
+def test_shared_overlap_policy_rule():
+    """dispatch.shared_overlap_policy: in line for the Flash-shaped layer (I >= 2048) at
+    0.5-8 routed rows per expert (measured 4-10 % faster there on the H200), overlapped
+    at decode, above the band and for Pro-TP8's I/tp = 384 at every T."""
+    from dsv4_moe import dispatch
+
+    flash = dict(num_local_experts=256, top_k=6, intermediate=2048)
+    pro = dict(num_local_experts=384, top_k=6, intermediate=384)
+    assert [dispatch.shared_overlap_policy(t, **flash)[0] for t in (1, 16, 32, 256, 384, 4096)] == \
+        [True, True, False, False, True, True]
+    assert all(dispatch.shared_overlap_policy(t, **pro)[0] for t in (1, 16, 64, 256, 1024, 8192))
+    ov, why = dispatch.shared_overlap_policy(64, **flash)
+    assert not ov and "1.50 routed rows per expert" in why and "I = 2048" in why
+
