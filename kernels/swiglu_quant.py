@@ -219,9 +219,11 @@ def swiglu_quant_unfused(gate_up: torch.Tensor, *, limit: float = 10.0,
         return ret
     q, s, *qp = act_quant(hb, scale_fmt=scale_fmt, pairs=pairs)
     keep = torch.ones(m, dtype=torch.bool, device=gate_up.device)
-    if rows is not None:  # listed rows only: scatter into a spare slot m for the -1 entries
+    if rows is not None:  # listed rows only: a spare slot m takes the entries outside [0, M)
+        # NOTE: index_fill_ with a Python scalar (no host-to-device copy: `listed[idx] = True`
+        # copies a CPU scalar tensor, which breaks CUDA-graph capture of the unfused layer)
         listed = torch.zeros(m + 1, dtype=torch.bool, device=gate_up.device)
-        listed[torch.where((rows >= 0) & (rows < m), rows, m).long()] = True
+        listed.index_fill_(0, torch.where((rows >= 0) & (rows < m), rows, m).long(), True)
         keep = listed[:m]
     if expert_ids is not None:
         keep = keep & (expert_ids >= 0)
