@@ -39,11 +39,17 @@ from .mxfp4_grouped_gemm import GemmConfig, gemv_config, mxfp4_grouped_gemm, sel
 
 __all__ = ["routed_experts_forward", "routed_configs"]
 
-# 1: the SwiGLU-quant between the GEMMs computes the rows of the route list (session 13);
-# 0: the row-range strategies over all max_rows rows, filtered by row_expert (before it).
-# Same bits either way; kept as a module constant for the A/B of
-# `scripts/gpu_profile_layer.py --ab dsv4_moe.kernels.routed_experts.SWIGLU_ROUTE_LIST=0,1`.
-SWIGLU_ROUTE_LIST = 1
+# The SwiGLU-quant between the GEMMs computes the rows of the route list (session 13) from
+# this many routes on; below it (and with a huge value, always) the row-range strategies
+# over all max_rows rows, filtered by row_expert, as before. Same bits either way.
+# NOTE: H200 A/B in the layer (scripts/gpu_profile_layer.py --ab dsv4_moe.kernels.
+# routed_experts.SWIGLU_ROUTE_LIST_MIN_ROUTES=..., graphs, us, max_rows walk -> route list;
+# docs/bench/2026-11-29/session13/profile_layer_ab_*.txt): Flash T=1 (6 routes) 77.2 ->
+# 82.6 and 78.3 -> 79.9 in two runs (the kernel alone: 3.13 -> 2.98), Pro-TP8 T=1 44.5 ->
+# 43.7; from 24 routes the list wins: Flash T=4 193.3 -> 186.9, T=16 486.7 -> 476.7, T=64
+# 1142.0 -> 1112.0, T=256 1549.7 -> 1517.9, T=1024 2218.5 -> 2153.9; Pro-TP8 T=4 105.0 ->
+# 103.7, T=64 524.5 -> 510.3, T=1024 1194.0 -> 1184.7. 12-18 routes (T = 2, 3) unmeasured.
+SWIGLU_ROUTE_LIST_MIN_ROUTES = 24
 
 
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
@@ -177,16 +183,18 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
     gu = mxfp4_grouped_gemm(q, sa, routed.gate_up, routed.gate_up_scale, align,
                             gather_a=True, scatter_out=False, config=cfg_up, layout=routed.layout,
                             a_pairs=q_pairs if cfg_up.a_bf16 else None)
-    # NOTE (session 13): the SwiGLU-quant works on the route list (align.route_rows: the GEMM
-    # row of each local route), not on the alignment's max_rows rows - at decode most of
-    # those are block padding (Flash T = 16: 96 routes in 1536 rows; the persistent grid
-    # over all of them took 12.9 us in the session-11 profile). Same rows computed, same
-    # bits (tests/test_kernels_swiglu_quant.py); H200 figures in BENCHMARKS.md, session 13.
-    # The route list holds exactly the rows with a local route (row_expert >= 0), so no
-    # per-row expert filter (and its dependent id load) is needed.
-    sel = dict(rows=align.route_rows) if SWIGLU_ROUTE_LIST else dict(expert_ids=align.row_expert)
+    # NOTE (session 13): from SWIGLU_ROUTE_LIST_MIN_ROUTES routes the SwiGLU-quant works on the
+    # route list (align.route_rows: the GEMM row of each local route), not on the
+    # alignment's max_rows rows - at decode most of those are block padding (Flash T = 16:
+    # 96 routes in 1536 rows; the persistent grid over all of them took 12.9 us in the
+    # session-11 profile, the list 3.1). Same rows computed, same bits
+    # (tests/test_kernels_swiglu_quant.py). The route list holds exactly the rows with a
+    # local route (row_expert >= 0), so no per-row expert filter (and its dependent id
+    # load) is needed.
+    use_list = t * k >= SWIGLU_ROUTE_LIST_MIN_ROUTES
+    sel = dict(rows=align.route_rows) if use_list else dict(expert_ids=align.row_expert)
     if swiglu == "fused":
-        if not SWIGLU_ROUTE_LIST and interpreting():  # the persistent grid's runtime-bound loop
+        if not use_list and interpreting():  # the persistent grid's runtime-bound loop
             sel["strategy"] = "group"
         hq, hs, *hp = swiglu_quant(gu, limit=float(limit), route_weight=align.row_weight,
                                    pairs=cfg_down.a_bf16, **sel)

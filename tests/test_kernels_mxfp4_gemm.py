@@ -125,9 +125,9 @@ def test_routed_forward_vs_reference(t):
 
 @pytest.mark.parametrize("swiglu", ["fused", "unfused"])
 def test_swiglu_on_route_list_bitwise(monkeypatch, swiglu):
-    """The SwiGLU-quant between the GEMMs on the route list (SWIGLU_ROUTE_LIST = 1, the
-    default) and on all max_rows rows filtered by row_expert (0, the earlier path) give the
-    same y, bit for bit, with an EP rank that owns some of the experts routed to."""
+    """The SwiGLU-quant between the GEMMs on the route list (from SWIGLU_ROUTE_LIST_MIN_ROUTES
+    routes) and on all max_rows rows filtered by row_expert (below it) give the same y, bit
+    for bit, with an EP rank that owns some of the experts routed to."""
     import dsv4_moe.kernels.routed_experts as re_mod
 
     g = torch.Generator().manual_seed(5)
@@ -140,7 +140,7 @@ def test_swiglu_on_route_list_bitwise(monkeypatch, swiglu):
     tw = torch.rand(t, k, generator=g)
     ys = {}
     for v in (0, 1):
-        monkeypatch.setattr(re_mod, "SWIGLU_ROUTE_LIST", v)
+        monkeypatch.setattr(re_mod, "SWIGLU_ROUTE_LIST_MIN_ROUTES", 1 if v else 1 << 30)
         ys[v] = routed_experts_forward(q, sa, tw, ids, routed, 10.0, swiglu)
     local = ref.local_mask(ids, 2, e)
     assert 0 < int(local.sum()) < t * k
