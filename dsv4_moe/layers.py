@@ -315,8 +315,9 @@ class DeepseekV4MoE(_NativeBuffers):
         when the routed stage takes the Triton path; empty otherwise."""
         if num_tokens < 1 or dispatch.select("routed_experts", self.context(num_tokens)).name != "triton":
             return ""
-        from .kernels.routed_experts import routed_configs
+        from .kernels import routed_experts as rx
 
+        routed_configs = rx.routed_configs
         routes = num_tokens * self.config.num_experts_per_tok
         parts = []
         for gemm, cfg in zip(("gate_up", "down"), routed_configs(routes, self.routed)):
@@ -328,8 +329,12 @@ class DeepseekV4MoE(_NativeBuffers):
                              f", {cfg.unroll} K blocks per step" if cfg.unroll > 1 else ""])
             parts.append(f"{gemm} {cfg.kind} {cfg.block_m}x{cfg.block_n}, {cfg.num_warps} warps, "
                          f"{cfg.num_stages} stages{extra}")
+        between = (f"SwiGLU-quant over the {routes} routes' rows (route list)"
+                   if routes >= rx.SWIGLU_ROUTE_LIST_MIN_ROUTES else
+                   f"SwiGLU-quant over the alignment's rows, padding skipped (< "
+                   f"{rx.SWIGLU_ROUTE_LIST_MIN_ROUTES} routes)")
         return (f"\n  routed GEMMs ({routes / self.num_local_experts:.3g} routes per local expert): "
-                + "; ".join(parts))
+                + "; ".join(parts) + f"\n  between them: {between}")
 
 
 def choose_routed_layout(r: RoutedExpertWeights, requested: str = "auto") -> tuple[str, str]:

@@ -69,5 +69,8 @@ def test_explain_names_the_routed_gemm_bodies(kernels_on_cpu):
         assert f"down {down.kind} {down.block_m}x{down.block_n}" in text
         assert ("bf16 activation pairs" in text) == up.a_bf16
         assert f"gate_up {up.kind} {up.block_m}x{up.block_n}, {up.num_warps} warps, {up.num_stages} stages" in text
+        routes = t * CFG.num_experts_per_tok
+        assert (f"SwiGLU-quant over the {routes} routes' rows (route list)" in text) == (routes >= 24), text
+        assert ("SwiGLU-quant over the alignment's rows" in text) == (routes < 24), text
     w.routed.down_scale.view(torch.uint8)[0, 0, 0] = 200   # routed stage falls back: no GEMM line
     assert "routed GEMMs" not in DeepseekV4MoE(CFG, w).explain(3)
