@@ -112,6 +112,11 @@ class DeepseekV4MLP(_NativeBuffers):
         return dispatch.explain(self.context(num_tokens), ["act_quant", "fp8_gemm", "swiglu_quant"])
 
 
+# CUDA priority of the shared expert's side stream (0: the default, as the main stream's;
+# negative: higher). A module constant so scripts/gpu_profile_layer.py --ab can compare.
+SIDE_STREAM_PRIORITY = 0
+
+
 class DeepseekV4MoE(_NativeBuffers):
     """Router + MXFP4 routed experts + FP8 shared expert + combine (SPEC §4).
 
@@ -289,9 +294,10 @@ class DeepseekV4MoE(_NativeBuffers):
         """The side stream of `device` for the shared expert (None: run it in line)."""
         if device.type != "cuda" or not self.shared_overlap(num_tokens)[0]:
             return None
-        key = device.index if device.index is not None else torch.cuda.current_device()
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        key = (idx, SIDE_STREAM_PRIORITY)
         if key not in self._side_streams:
-            self._side_streams[key] = torch.cuda.Stream(device=device)
+            self._side_streams[key] = torch.cuda.Stream(device=device, priority=SIDE_STREAM_PRIORITY)
         return self._side_streams[key]
 
     def explain(self, num_tokens: int) -> str:

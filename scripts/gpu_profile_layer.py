@@ -91,7 +91,10 @@ def main():
                     help="module.ATTR=v1,v2,...: also time the default forward (PDL auto, overlap_shared "
                          "'auto') with the module constant set to each value, interleaved with the other "
                          "graphs (e.g. dsv4_moe.kernels._swiglu_quant.FILTERED_GROUPS_PER_PROGRAM=1,4,16)")
+    ap.add_argument("--ab-overlap", choices=("auto", "on", "off"), default="auto",
+                    help="overlap_shared of the --ab forwards ('on' / 'off' force the side stream / in line)")
     args = ap.parse_args()
+    ab_ov = {"auto": "auto", "on": True, "off": False}[args.ab_overlap]
     ab_mod = ab_attr = None
     ab_vals = []
     if args.ab:
@@ -123,7 +126,7 @@ def main():
                     graphs[(ov, mode)] = capture(layer, x, ids)
             dispatch.PDL_MODE = saved
             if ab_vals:
-                layer.overlap_shared = "auto"
+                layer.overlap_shared = ab_ov
                 base = getattr(ab_mod, ab_attr)
                 for v in ab_vals:
                     setattr(ab_mod, ab_attr, v)
