@@ -114,6 +114,11 @@ class DeepseekV4MLP(_NativeBuffers):
 
 # CUDA priority of the shared expert's side stream (0: the default, as the main stream's;
 # negative: higher). A module constant so scripts/gpu_profile_layer.py --ab can compare.
+# NOTE: H200, session 13 (docs/bench/2026-11-29/session13/profile_layer_priority_8290931.txt,
+# overlap forced, graphs, us, priority 0 / -1 / -5): Flash T=16 459.0 / 460.1 / 460.7, T=64
+# 1088.4 / 1090.3 / 1087.2, T=256 1507.1 / 1516.1 / 1515.0 (in line: 1391.0); Pro-TP8 T=256
+# 767.9 / 823.1 / 823.7. A higher priority does not remove the Flash slowdown and costs
+# Pro-TP8 7 %, so 0 stays.
 SIDE_STREAM_PRIORITY = 0
 
 
