@@ -46,10 +46,12 @@ __all__ = ["routed_experts_forward", "routed_configs"]
 # routed_experts.SWIGLU_ROUTE_LIST_MIN_ROUTES=..., graphs, us, max_rows walk -> route list;
 # docs/bench/2026-11-29/session13/profile_layer_ab_*.txt): Flash T=1 (6 routes) 77.2 ->
 # 82.6 and 78.3 -> 79.9 in two runs (the kernel alone: 3.13 -> 2.98), Pro-TP8 T=1 44.5 ->
-# 43.7; from 24 routes the list wins: Flash T=4 193.3 -> 186.9, T=16 486.7 -> 476.7, T=64
-# 1142.0 -> 1112.0, T=256 1549.7 -> 1517.9, T=1024 2218.5 -> 2153.9; Pro-TP8 T=4 105.0 ->
-# 103.7, T=64 524.5 -> 510.3, T=1024 1194.0 -> 1184.7. 12-18 routes (T = 2, 3) unmeasured.
-SWIGLU_ROUTE_LIST_MIN_ROUTES = 24
+# 43.7 (a third run, profile_layer_ab_t1_t8_f7337f0.txt: Flash 77.3 -> 82.5, Pro-TP8 43.5 ->
+# 43.1); from 12 routes the list wins: Flash T=2 138.2 -> 135.0, T=3 167.7 -> 162.2, T=4
+# 193.3 -> 186.9, T=8 292.0 -> 287.4, T=16 486.7 -> 476.7, T=64 1142.0 -> 1112.0, T=256
+# 1549.7 -> 1517.9, T=1024 2218.5 -> 2153.9; Pro-TP8 T=2 68.7 -> 68.0, T=3 85.6 -> 84.2, T=4
+# 105.0 -> 103.7, T=64 524.5 -> 510.3, T=1024 1194.0 -> 1184.7.
+SWIGLU_ROUTE_LIST_MIN_ROUTES = 12
 
 
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:

@@ -58,7 +58,7 @@ def test_routed_kernel_rejects_scales_outside_exact_folding(kernels_on_cpu):
 def test_explain_names_the_routed_gemm_bodies(kernels_on_cpu):
     """explain() lists the MXFP4 GEMM bodies routed_configs picks for this T when the routed
     stage runs the kernels, and nothing when it does not."""
-    from dsv4_moe.kernels.routed_experts import routed_configs
+    from dsv4_moe.kernels.routed_experts import SWIGLU_ROUTE_LIST_MIN_ROUTES, routed_configs
 
     w = random_layer_weights(CFG, layer_idx=1, seed=5, device=kernels_on_cpu)
     layer = DeepseekV4MoE(CFG, w, routed_layout="mma64")
@@ -70,7 +70,8 @@ def test_explain_names_the_routed_gemm_bodies(kernels_on_cpu):
         assert ("bf16 activation pairs" in text) == up.a_bf16
         assert f"gate_up {up.kind} {up.block_m}x{up.block_n}, {up.num_warps} warps, {up.num_stages} stages" in text
         routes = t * CFG.num_experts_per_tok
-        assert (f"SwiGLU-quant over the {routes} routes' rows (route list)" in text) == (routes >= 24), text
-        assert ("SwiGLU-quant over the alignment's rows" in text) == (routes < 24), text
+        listed = routes >= SWIGLU_ROUTE_LIST_MIN_ROUTES
+        assert (f"SwiGLU-quant over the {routes} routes' rows (route list)" in text) == listed, text
+        assert ("SwiGLU-quant over the alignment's rows" in text) == (not listed), text
     w.routed.down_scale.view(torch.uint8)[0, 0, 0] = 200   # routed stage falls back: no GEMM line
     assert "routed GEMMs" not in DeepseekV4MoE(CFG, w).explain(3)
