@@ -273,6 +273,12 @@ def _stage_pred(name: str) -> Predicate:
 # Ordered preference per stage. The reference path exists for every stage and runs on CPU.
 # Implementations and shape predicates live in dsv4_moe.stages (adapters over kernels/).
 STAGES: dict[str, list[Path]] = {
+    # the decode front (router + act_quant + the routed alignment) in one launch, or the
+    # separate stages below ("separate" is the layer running them one by one)
+    "front": [
+        Path("front", "fused", _gpu(_stage_pred("front_fused_supported")), _S + "front_fused"),
+        Path("front", "separate", _always, _S + "front_separate"),
+    ],
     "router": [
         Path("router", "triton", _gpu(_stage_pred("router_triton_supported")), _S + "router_triton"),
         Path("router", "reference", _always, _S + "router_reference"),
@@ -316,12 +322,16 @@ _FORCED: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("dsv4_m
 def force_paths(**paths: str):
     """Force implementations per stage, e.g. `force_paths(finalize="unfused")`.
 
-    `force_paths(all="reference")` forces the reference path of every stage. Nested uses
+    `force_paths(all="reference")` forces the reference path of every stage that has one
+    (`all=name` covers the stages with a path of that name). Nested uses
     combine, the innermost winning. Unknown stages or paths raise ValueError.
     """
     if "all" in paths:
         name = paths.pop("all")
-        for stage in STAGES:
+        having = [stage for stage, ps in STAGES.items() if any(p.name == name for p in ps)]
+        if not having:
+            raise ValueError(f"force_paths: all={name!r}: no stage has a path {name!r}")
+        for stage in having:  # e.g. "front" has no "reference": it then follows the stages it merges
             paths.setdefault(stage, name)
     for stage, name in paths.items():
         if stage not in STAGES:
@@ -366,7 +376,9 @@ def plan_stage(stage: str, ctx: DispatchContext) -> StagePlan:
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; stages are {sorted(STAGES)}")
     forced = {**_env_forced(), **_FORCED.get()}
-    want = forced.get(stage) or forced.get("all")
+    want = forced.get(stage)
+    if want is None and any(p.name == forced.get("all") for p in STAGES[stage]):
+        want = forced["all"]  # DSV4_MOE_FORCE="all=name": the stages that have that path
     rejected = []
     for path in STAGES[stage]:
         if want is not None and path.name != want:

@@ -234,13 +234,13 @@ class DeepseekV4MoE(_NativeBuffers):
     def _forward(self, x: torch.Tensor, input_ids: Optional[torch.Tensor], t: int) -> torch.Tensor:
         ctx = self.context(t)
         c = self.config
-        topk_w, topk_ids = dispatch.select("router", ctx).impl(
-            x, self.router, input_ids, c.num_experts_per_tok, c.routed_scaling_factor)
         routed = dispatch.select("routed_experts", ctx)
         # bf16 activation pairs for the routed gate_up, written by act_quant itself (no
         # conversion launch) when the routed GEMM config takes them at this T
         pairs = routed.name == "triton" and stages.routed_wants_pairs(t * c.num_experts_per_tok, self.routed)
-        q, sa, *q_pairs = dispatch.select("act_quant", ctx).impl(x, pairs=pairs)
+        # router + act_quant (+ the routed alignment, when the decode front runs in one launch)
+        topk_w, topk_ids, q, sa, q_pairs, align = dispatch.select("front", ctx).impl(
+            ctx, x, self.router, input_ids, c.num_experts_per_tok, c.routed_scaling_factor, self.routed, pairs)
         side = self._side_stream(x.device, t)
         if side is None:
             shared = self.shared_experts.forward_quantised(q, sa, ctx)
@@ -251,7 +251,7 @@ class DeepseekV4MoE(_NativeBuffers):
                 shared = self.shared_experts.forward_quantised(q, sa, ctx)
         swiglu = dispatch.select("swiglu_quant", ctx).name
         y = routed.impl(q, sa, topk_w, topk_ids, self.routed, c.swiglu_limit, swiglu,
-                        q_pairs=q_pairs[0] if q_pairs else None)
+                        q_pairs=q_pairs, align=align)
         if side is not None:  # join before the first reader of `shared`
             main.wait_stream(side)
             shared.record_stream(main)  # allocated on the side stream, freed after main reads it

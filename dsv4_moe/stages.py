@@ -43,7 +43,9 @@ def swiglu_quant_reference(gate_up, limit):
     return R.swiglu_quant(gate_up, limit)
 
 
-def routed_experts_reference(q, sa, topk_w, topk_ids, routed, limit, swiglu="reference", q_pairs=None):
+def routed_experts_reference(q, sa, topk_w, topk_ids, routed, limit, swiglu="reference", q_pairs=None,
+                             align=None):
+    # align (the fused front's alignment) is only ever given with the Triton routed path
     return R.routed_forward(q, sa, topk_w, topk_ids, routed, limit)
 
 
@@ -86,6 +88,48 @@ def router_triton_supported(ctx: DispatchContext):
 def router_triton(x, router, input_ids, top_k, scale):
     w, ids = _kernel("router").route_topk(x, router.weight, router.bias, router.tid2eid, input_ids, top_k, scale)
     return w, ids
+
+
+def front_fused_supported(ctx: DispatchContext):
+    """The decode front in one launch (kernels/route_front.py): only where the three stages
+    it merges (router, act_quant, routed_experts' alignment) take their Triton paths."""
+    ok, why = _importable("route_front")
+    if not ok:
+        return ok, why
+    from . import dispatch  # noqa: PLC0415
+    from .kernels._triton_utils import interpreting  # noqa: PLC0415
+
+    if interpreting():
+        return False, "Triton interpreter (the scores need libdevice)"
+    for stage in ("router", "act_quant", "routed_experts"):
+        chosen = dispatch.plan_stage(stage, ctx).chosen.name
+        if chosen != "triton":
+            return False, f"stage {stage!r} takes its {chosen!r} path, not the Triton one the front merges"
+    # NOTE: 64 is the largest BLOCK_M a decode-sized routed config uses (the row bound only grows with it)
+    ok, why = _kernel("route_front").front_limits(ctx.num_tokens, ctx.top_k, ctx.num_local_experts, 64,
+                                                   ctx.num_experts, ctx.hidden)
+    if not ok:
+        return ok, why
+    return True, f"router logits + top-k + act_quant + moe_align in one launch ({why})"
+
+
+def front_fused(ctx, x, router, input_ids, top_k, scale, routed, pairs):
+    """-> (topk_w, topk_ids, q, sa, q_pairs | None, align) in one launch; align's BLOCK_M is
+    the routed gate_up config's (routed_experts_forward checks it)."""
+    block_m = _kernel("routed_experts").routed_configs(x.shape[0] * top_k, routed)[0].block_m
+    return _kernel("route_front").route_front(x, router.weight, router.bias, router.tid2eid, input_ids, top_k,
+                                              scale, num_local=routed.num_local, first_expert=routed.first_expert,
+                                              block_m=block_m, pairs=pairs)
+
+
+def front_separate(ctx, x, router, input_ids, top_k, scale, routed, pairs):
+    """The same outputs from the router and act_quant stages' own paths (align None: the
+    routed stage aligns itself)."""
+    from . import dispatch  # noqa: PLC0415
+
+    topk_w, topk_ids = dispatch.select("router", ctx).impl(x, router, input_ids, top_k, scale)
+    q, sa, *q_pairs = dispatch.select("act_quant", ctx).impl(x, pairs=pairs)
+    return topk_w, topk_ids, q, sa, (q_pairs[0] if q_pairs else None), None
 
 
 def act_quant_triton_supported(ctx: DispatchContext):
@@ -205,11 +249,12 @@ def routed_experts_triton_supported(ctx: DispatchContext):
     return _importable("routed_experts")
 
 
-def routed_experts_triton(q, sa, topk_w, topk_ids, routed, limit, swiglu="fused", q_pairs=None):
+def routed_experts_triton(q, sa, topk_w, topk_ids, routed, limit, swiglu="fused", q_pairs=None, align=None):
     # the reference SwiGLU-quant is not a kernel: with swiglu_quant forced to "reference"
     # the routed GEMMs still use the fused kernel, which is bitwise the reference.
     return _kernel("routed_experts").routed_experts_forward(
-        q, sa, topk_w, topk_ids, routed, limit, "unfused" if swiglu == "unfused" else "fused", q_pairs=q_pairs)
+        q, sa, topk_w, topk_ids, routed, limit, "unfused" if swiglu == "unfused" else "fused", q_pairs=q_pairs,
+        align=align)
 
 
 def routed_wants_pairs(num_routes, routed):

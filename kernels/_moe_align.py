@@ -135,6 +135,20 @@ def _align_small_kernel(ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, 
                         HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                         E_PAD: tl.constexpr, ROWS_PAD: tl.constexpr, MB_PAD: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
+    _align_small_body(ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, expert_offsets_ptr,
+                      num_blocks_ptr, sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_weight_ptr,
+                      R, first_expert, num_local, max_blocks,
+                      HAS_WEIGHTS, BLOCK, BLOCK_M, E_PAD, ROWS_PAD, MB_PAD)
+
+
+@triton.jit
+def _align_small_body(ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, expert_offsets_ptr,
+                      num_blocks_ptr, sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_weight_ptr,
+                      R, first_expert, num_local, max_blocks,
+                      HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                      E_PAD: tl.constexpr, ROWS_PAD: tl.constexpr, MB_PAD: tl.constexpr):
+    """The one-program alignment (also run by the last program of `_route_front_kernel`,
+    after a CTA barrier, on the ids and weights its top-k just wrote)."""
     i = tl.arange(0, BLOCK)
     in_r = i < R
     key, local = _local_key(ids_ptr, i, in_r, first_expert, num_local)

@@ -50,8 +50,16 @@ def _router_logits_kernel(
     the gate weight (E x H) is spread over ~E / BLOCK_E programs that each stream
     BLOCK_E rows once, where cuBLAS's split-K GEMV needs a second (reduce) launch."""
     pdl_enter(PDL)
-    pid_e = tl.program_id(0)
-    pid_t = tl.program_id(1)
+    _logits_tile(x_ptr, w_ptr, out_ptr, tl.program_id(0), tl.program_id(1), T, E, stride_x, stride_w, stride_o,
+                 H, BLOCK_T, BLOCK_E, BLOCK_H, NUM_STAGES)
+
+
+@triton.jit
+def _logits_tile(x_ptr, w_ptr, out_ptr, pid_e, pid_t, T, E, stride_x, stride_w, stride_o,
+                 H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                 NUM_STAGES: tl.constexpr):
+    """One [BLOCK_T, BLOCK_E] tile of the logits (the GEMV's program body; also run by
+    `_route_front_kernel`, so both give the same bits for the same block shape and warps)."""
     tt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     ee = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     hh = tl.arange(0, BLOCK_H)
@@ -85,10 +93,27 @@ def _route_topk_kernel(
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
 ):
     pdl_enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
+    _topk_token(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out_ids_ptr,
+                tl.program_id(0).to(tl.int64), E, stride_s, stride_tab, scale,
+                TOP_K, K_PAD, E_PAD, HAS_BIAS, HASH, APPLY_SCORES, False)
+
+
+@triton.jit
+def _topk_token(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out_ids_ptr,
+                t, E, stride_s, stride_tab, scale,
+                TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                HAS_BIAS: tl.constexpr, HASH: tl.constexpr, APPLY_SCORES: tl.constexpr,
+                L2_ONLY: tl.constexpr):
+    """Route token t (the top-k program's body; also run, once per token, by the last
+    program of `_route_front_kernel`, which reads the other programs' logits through L2:
+    L2_ONLY). Selection, gather and the renormalisation are exact selects and a fixed
+    left-to-right sum, so the result does not depend on the program's warps."""
     col = tl.arange(0, E_PAD)
     in_range = col < E
-    scores = tl.load(scores_ptr + t * stride_s + col, mask=in_range, other=0.0)
+    if L2_ONLY:
+        scores = tl.load(scores_ptr + t * stride_s + col, mask=in_range, other=0.0, cache_modifier=".cg")
+    else:
+        scores = tl.load(scores_ptr + t * stride_s + col, mask=in_range, other=0.0)
     if APPLY_SCORES:
         scores = _sqrt_softplus(scores)
     kk = tl.arange(0, K_PAD)

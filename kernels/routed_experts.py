@@ -146,7 +146,8 @@ def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmCo
 def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torch.Tensor,
                            topk_ids: torch.Tensor, routed: RoutedExpertWeights, limit: float,
                            swiglu: str = "fused", *, configs: tuple[GemmConfig, GemmConfig] | None = None,
-                           return_alignment: bool = False, q_pairs: torch.Tensor | None = None):
+                           return_alignment: bool = False, q_pairs: torch.Tensor | None = None,
+                           align: MoeAlignment | None = None):
     """y [T, k, H] bf16 for every local route (see the module docstring).
 
     `swiglu` picks the SwiGLU-quant between the GEMMs: "fused" (one kernel) or "unfused"
@@ -154,6 +155,9 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
     `q_pairs`: act_quant(x, pairs=True)'s third output (bf16(q) in the "pairs" layout),
     used by gate_up when its config takes bf16 activations (else the GEMM converts q
     itself, one more launch); the down GEMM's pairs come from swiglu_quant.
+    `align`: `moe_align(topk_ids, routed.num_local, routed.first_expert, BLOCK_M, topk_weights)`
+    made by the caller (route_front computes it in the router's launch); its BLOCK_M must be
+    the gate_up config's.
     """
     if swiglu not in ("fused", "unfused"):
         raise ValueError(f"swiglu={swiglu!r}: expected 'fused' or 'unfused'")
@@ -175,8 +179,14 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
         raise ValueError(f"limit={limit!r}: expected > 0")
     y = torch.empty((t * k, h), dtype=torch.bfloat16, device=q.device)
     cfg_up, cfg_down = configs or routed_configs(t * k, routed)
-    align: MoeAlignment = moe_align(topk_ids, routed.num_local, routed.first_expert, cfg_up.block_m,
-                                    topk_weights)
+    if align is None:
+        align = moe_align(topk_ids, routed.num_local, routed.first_expert, cfg_up.block_m, topk_weights)
+    elif not isinstance(align, MoeAlignment) or align.block_m != cfg_up.block_m or align.num_routes != t * k \
+            or align.top_k != k or align.row_weight is None or align.expert_counts.shape != (routed.num_local,):
+        raise ValueError(f"align: expected a MoeAlignment of these {t * k} routes over {routed.num_local} local "
+                         f"experts with BLOCK_M = {cfg_up.block_m} and row weights, got block_m="
+                         f"{getattr(align, 'block_m', None)}, num_routes={getattr(align, 'num_routes', None)} "
+                         f"({type(align).__name__})")
     if t * k == 0:
         return (y.view(t, k, h), align) if return_alignment else y.view(t, k, h)
     from ._triton_utils import interpreting

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["route_topk", "router_logits", "router_logits_gemv", "gemv_blocks", "GEMV_MAX_T"]
+__all__ = ["route_topk", "router_logits", "router_logits_gemv", "gemv_blocks", "GEMV_MAX_T", "check_route_args"]
 
 _E_MAX = 4096  # one register vector per token; DeepSeek-V4 has E <= 384
 # NOTE: the logits GEMV replaces cuBLAS up to this many tokens. H200, CUDA graphs, gate
@@ -120,18 +120,8 @@ def router_logits_gemv(x: torch.Tensor, weight: torch.Tensor,
     return out
 
 
-def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               tid2eid: torch.Tensor | None, input_ids: torch.Tensor | None,
-               top_k: int, routed_scaling_factor: float, *, logits_impl: str = "auto",
-               scores_impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """Route T tokens to top_k of E experts; see the module docstring for layouts.
-
-    logits_impl: "auto" | "gemv" (Triton GEMV) | "mm" (cuBLAS / torch); scores_impl:
-    "auto" | "kernel" (in the top-k kernel, GPU only) | "torch"."""
-    from ._triton_utils import interpreting  # noqa: PLC0415
-
-    _check(logits_impl in _LOGITS_IMPLS, f"logits_impl={logits_impl!r}: expected one of {_LOGITS_IMPLS}")
-    _check(scores_impl in _SCORES_IMPLS, f"scores_impl={scores_impl!r}: expected one of {_SCORES_IMPLS}")
+def check_route_args(x, weight, bias, tid2eid, input_ids, top_k, routed_scaling_factor):
+    """Validate route_topk's (and route_front's) router arguments; -> (T, H, E, hashed)."""
     _check(isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype == torch.bfloat16,
            f"x: expected a [T, H] bfloat16 tensor, got {getattr(x, 'dtype', type(x))} "
            f"shape {tuple(getattr(x, 'shape', ()))}")
@@ -158,6 +148,22 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     for name, ten in (("weight", weight), ("bias", bias), ("tid2eid", tid2eid), ("input_ids", input_ids)):
         if ten is not None:
             _check(ten.device == x.device, f"{name}: on {ten.device}, expected x's device {x.device}")
+    return t, h, e, hashed
+
+
+def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               tid2eid: torch.Tensor | None, input_ids: torch.Tensor | None,
+               top_k: int, routed_scaling_factor: float, *, logits_impl: str = "auto",
+               scores_impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Route T tokens to top_k of E experts; see the module docstring for layouts.
+
+    logits_impl: "auto" | "gemv" (Triton GEMV) | "mm" (cuBLAS / torch); scores_impl:
+    "auto" | "kernel" (in the top-k kernel, GPU only) | "torch"."""
+    from ._triton_utils import interpreting  # noqa: PLC0415
+
+    _check(logits_impl in _LOGITS_IMPLS, f"logits_impl={logits_impl!r}: expected one of {_LOGITS_IMPLS}")
+    _check(scores_impl in _SCORES_IMPLS, f"scores_impl={scores_impl!r}: expected one of {_SCORES_IMPLS}")
+    t, h, e, hashed = check_route_args(x, weight, bias, tid2eid, input_ids, top_k, routed_scaling_factor)
 
     on_gpu = x.is_cuda and not interpreting()
     _check(scores_impl != "kernel" or on_gpu,

@@ -8,6 +8,8 @@ For the Flash and Pro-TP8 shapes:
   * the layer against the CPU reference (same quantised weights), honest stats
   * CUDA-graph capture + replay == eager for decode sizes (no host sync inside)
   * programmatic dependent launch (dispatch.PDL_MODE early / exit) == plain launches, bitwise
+  * the one-launch decode front (kernels/route_front.py, T <= 4) == the separate router /
+    act_quant / align launches, bitwise, on a top-k and a hash-routed layer, and in a graph
   * a real-format checkpoint written by write_checkpoint, loaded by load_moe_layer on
     the GPU, against the CPU reference (Flash shapes, one layer)
 Writes $OUT/gpu_check_layer.json and .txt; prints a table; exits 1 on any failure.
@@ -127,6 +129,48 @@ def check_layer(name, cfg, weights, rows, tokens, ref_tokens, graph_tokens, rout
         rows.append({"case": name, "check": "cuda graph", "T": t, "ok": ok, "detail": detail})
 
 
+def check_front(name, cfg, rows, dev, routed_layout="auto"):
+    """The fused decode front against the separate stages, whole layer, bitwise."""
+    from dsv4_moe.kernels.route_front import FRONT_MAX_T
+
+    hash_idx = next((i for i in range(8) if cfg.is_hash_layer(i)), None)
+    for idx in [5] + ([hash_idx] if hash_idx is not None else []):
+        w = random_layer_weights(cfg, layer_idx=idx, seed=1, device=dev)
+        layer = DeepseekV4MoE(cfg, w, routed_layout=routed_layout)
+        kind = "hash" if layer.is_hash else "top-k"
+        for t in range(1, FRONT_MAX_T + 1):
+            x, ids = _inputs(cfg, t, 300 + t, dev)
+            chosen = dispatch.select("front", layer.context(t)).name
+            with torch.no_grad():
+                fused = layer(x, ids)
+                with force_paths(front="separate"):
+                    sep = layer(x, ids)
+            n = int((fused.view(torch.int16) != sep.view(torch.int16)).sum())
+            rows.append({"case": f"{name} {kind} layer", "check": "front fused==separate", "T": t,
+                         "ok": chosen == "fused" and _bytes_equal(fused, sep),
+                         "detail": f"{n} differ (default front: {chosen})"})
+            if t in (1, FRONT_MAX_T):  # in a graph, replayed on new inputs
+                g = torch.cuda.CUDAGraph()
+                with torch.no_grad():
+                    s_ = torch.cuda.Stream()
+                    s_.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(s_):
+                        layer(x, ids)
+                    torch.cuda.current_stream().wait_stream(s_)
+                    with torch.cuda.graph(g):
+                        out = layer(x, ids)
+                    x2, ids2 = _inputs(cfg, t, 400 + t, dev)
+                    x.copy_(x2); ids.copy_(ids2)
+                    g.replay()
+                    torch.cuda.synchronize()
+                    with force_paths(front="separate"):
+                        sep2 = layer(x2, ids2)
+                rows.append({"case": f"{name} {kind} layer", "check": "front in graph==separate", "T": t,
+                             "ok": _bytes_equal(out, sep2), "detail": "graph replay on new inputs vs eager separate"})
+        del layer, w
+        torch.cuda.empty_cache()
+
+
 def check_checkpoint(rows, tmp):
     from dsv4_moe.weights import write_checkpoint
 
@@ -174,6 +218,7 @@ def main(argv=None) -> int:
         check_layer(name, cfg, w, rows, toks, ref_tokens=[1, 4, 16], graph_tokens=graph_toks, routed_layout=layout)
         del w
         torch.cuda.empty_cache()
+        check_front(name, cfg, rows, dev, routed_layout=layout)
     if not args.no_checkpoint:
         with tempfile.TemporaryDirectory() as tmp:
             try:

@@ -125,7 +125,13 @@ def test_force_paths_validates_and_fails_closed():
         with pytest.raises(RuntimeError, match="forced path 'fused' cannot run here: device is cpu"):
             dispatch.select("finalize", ctx)
     with force_paths(all="reference"):
-        assert all(p.chosen.name == "reference" and p.forced for p in dispatch.plan(ctx))
+        plans = {p.stage: p for p in dispatch.plan(ctx)}
+        assert all(p.chosen.name == "reference" and p.forced for s, p in plans.items() if s != "front")
+        # the front has no reference path: it runs the (forced) stages it would merge
+        assert plans["front"].chosen.name == "separate" and not plans["front"].forced
+    with pytest.raises(ValueError, match="no stage has a path 'magic'"):
+        with force_paths(all="magic"):
+            pass
 
 
 def test_log_dispatch_env(monkeypatch, capsys):
@@ -187,3 +193,32 @@ def test_shared_overlap_policy_rule():
     ov, why = dispatch.shared_overlap_policy(64, **flash)
     assert not ov and "1.50 routed rows per expert" in why and "I = 2048" in why
 
+
+
+def test_front_dispatch_reasons(monkeypatch):
+    """The one-launch decode front (kernels/route_front.py) is planned only where the stages
+    it merges take their Triton paths and the sizes fit; planning runs on the CPU."""
+    import dsv4_moe.kernels._triton_utils as tu
+    from dsv4_moe.kernels.route_front import FRONT_MAX_T
+
+    monkeypatch.setattr(dispatch, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(tu, "interpreting", lambda: False)
+
+    def ctx(t):
+        return DispatchContext(device=torch.device("cuda", 0), num_tokens=t)
+
+    p = dispatch.plan_stage("front", ctx(1))
+    assert p.chosen.name == "fused" and "one launch" in p.reason and "R = 6 routes" in p.reason
+    p = dispatch.plan_stage("front", ctx(FRONT_MAX_T + 1))
+    assert p.chosen.name == "separate"
+    assert dict(p.rejected)["fused"].endswith(f"T = {FRONT_MAX_T + 1} tokens: the one-launch front covers "
+                                              f"1 <= T <= {FRONT_MAX_T}")
+    with force_paths(router="reference"):
+        p = dispatch.plan_stage("front", ctx(1))
+        assert p.chosen.name == "separate"
+        assert "stage 'router' takes its 'reference' path" in dict(p.rejected)["fused"]
+    with force_paths(front="fused"):
+        with pytest.raises(RuntimeError, match="forced path 'fused' cannot run here: T = 8 tokens"):
+            dispatch.select("front", ctx(8))
+    monkeypatch.setattr(tu, "interpreting", lambda: True)
+    assert "Triton interpreter" in dict(dispatch.plan_stage("front", ctx(1)).rejected)["fused"]
