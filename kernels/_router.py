@@ -95,25 +95,20 @@ def _route_topk_kernel(
     pdl_enter(PDL)
     _topk_token(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out_ids_ptr,
                 tl.program_id(0).to(tl.int64), E, stride_s, stride_tab, scale,
-                TOP_K, K_PAD, E_PAD, HAS_BIAS, HASH, APPLY_SCORES, False)
+                TOP_K, K_PAD, E_PAD, HAS_BIAS, HASH, APPLY_SCORES)
 
 
 @triton.jit
 def _topk_token(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out_ids_ptr,
                 t, E, stride_s, stride_tab, scale,
                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                HAS_BIAS: tl.constexpr, HASH: tl.constexpr, APPLY_SCORES: tl.constexpr,
-                L2_ONLY: tl.constexpr):
-    """Route token t (the top-k program's body; also run, once per token, by the last
-    program of `_route_front_kernel`, which reads the other programs' logits through L2:
-    L2_ONLY). Selection, gather and the renormalisation are exact selects and a fixed
+                HAS_BIAS: tl.constexpr, HASH: tl.constexpr, APPLY_SCORES: tl.constexpr):
+    """Route token t (the top-k program's body; `_topk_tokens` is its all-tokens-at-once
+    twin). Selection, gather and the renormalisation are exact selects and a fixed
     left-to-right sum, so the result does not depend on the program's warps."""
     col = tl.arange(0, E_PAD)
     in_range = col < E
-    if L2_ONLY:
-        scores = tl.load(scores_ptr + t * stride_s + col, mask=in_range, other=0.0, cache_modifier=".cg")
-    else:
-        scores = tl.load(scores_ptr + t * stride_s + col, mask=in_range, other=0.0)
+    scores = tl.load(scores_ptr + t * stride_s + col, mask=in_range, other=0.0)
     if APPLY_SCORES:
         scores = _sqrt_softplus(scores)
     kk = tl.arange(0, K_PAD)
@@ -152,3 +147,60 @@ def _topk_token(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out
     w = sel_w / wsum * scale
     tl.store(out_ids_ptr + t * TOP_K + rank, sel_ids, mask=valid)
     tl.store(out_w_ptr + t * TOP_K + rank, w, mask=valid)
+
+
+@triton.jit
+def _topk_tokens(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out_ids_ptr,
+                 T, E, stride_s, stride_tab, scale,
+                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, T_PAD: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, HASH: tl.constexpr, APPLY_SCORES: tl.constexpr):
+    """`_topk_token` for all T <= T_PAD tokens at once, one row each: every step is the same
+    exact operation per row (max, lowest index holding it, a select-sum of one element, the
+    rank compare, the same left-to-right renormalisation sum and divide), so each row is
+    bitwise `_topk_token`'s result, in one pass of reductions instead of T. Run by the last
+    program of `_route_front_kernel`, reading the other programs' logits through L2."""
+    tt = tl.arange(0, T_PAD)
+    t_ok = tt < T
+    t64 = tl.where(t_ok, tt, 0).to(tl.int64)
+    col = tl.arange(0, E_PAD)
+    in_range = col < E
+    m2 = t_ok[:, None] & in_range[None, :]
+    scores = tl.load(scores_ptr + t64[:, None] * stride_s + col[None, :], mask=m2, other=0.0, cache_modifier=".cg")
+    if APPLY_SCORES:
+        scores = _sqrt_softplus(scores)
+    kk = tl.arange(0, K_PAD)
+    sel_ids = tl.full([T_PAD, K_PAD], 0, tl.int32)
+    sel_w = tl.zeros([T_PAD, K_PAD], tl.float32)
+    if HASH:
+        tok = tl.load(input_ids_ptr + t64, mask=t_ok, other=0).to(tl.int64)
+        for j in tl.static_range(TOP_K):
+            e = tl.load(tid2eid_ptr + tok * stride_tab + j, mask=t_ok, other=0).to(tl.int32)
+            s = tl.sum(tl.where(col[None, :] == e[:, None], scores, 0.0), axis=1)
+            sel_ids = tl.where(kk[None, :] == j, e[:, None], sel_ids)
+            sel_w = tl.where(kk[None, :] == j, s[:, None], sel_w)
+    else:
+        biased = scores
+        if HAS_BIAS:
+            biased = scores + tl.load(bias_ptr + col, mask=in_range, other=0.0)[None, :]
+        biased = tl.where(in_range[None, :], biased, float("-inf"))
+        for j in tl.static_range(TOP_K):
+            m = tl.max(biased, axis=1)
+            e = tl.min(tl.where(biased == m[:, None], col[None, :], E_PAD), axis=1)
+            hit = col[None, :] == e[:, None]
+            s = tl.sum(tl.where(hit, scores, 0.0), axis=1)  # the unbiased score
+            sel_ids = tl.where(kk[None, :] == j, e[:, None], sel_ids)
+            sel_w = tl.where(kk[None, :] == j, s[:, None], sel_w)
+            biased = tl.where(hit, float("-inf"), biased)
+    valid = kk < TOP_K
+    a = sel_ids[:, :, None]
+    b = sel_ids[:, None, :]
+    before = ((b < a) | ((b == a) & (kk[None, None, :] < kk[None, :, None]))) & valid[None, None, :]
+    rank = tl.sum(before.to(tl.int32), axis=2)                               # [T_PAD, K_PAD]
+    wsum = tl.sum(tl.where((rank == 0) & valid[None, :], sel_w, 0.0), axis=1)
+    for r in tl.static_range(1, TOP_K):
+        wsum += tl.sum(tl.where((rank == r) & valid[None, :], sel_w, 0.0), axis=1)
+    w = sel_w / wsum[:, None] * scale
+    dst = t64[:, None] * TOP_K + rank
+    ok = t_ok[:, None] & valid[None, :]
+    tl.store(out_ids_ptr + dst, sel_ids, mask=ok)
+    tl.store(out_w_ptr + dst, w, mask=ok)

@@ -11,7 +11,8 @@
         q_pairs [T, H] bfloat16 or None (act_quant(x, pairs=True)[2]),
         align MoeAlignment (block_m, num_local, first_expert as given, row weights included)
 
-Bitwise the separate launches (same Triton bodies: `_logits_tile`, `_topk_token`,
+Bitwise the separate launches (same Triton bodies: `_logits_tile`, `_topk_tokens` (the
+top-k kernel's exact steps, all tokens at once),
 `quant_group_tile`, `_align_small_body`; the logits grid and warps are the GEMV's), in one
 launch instead of four: the last program to finish its logits tile routes and aligns
 (an arrival counter from `split_k.tile_counters`, left at 0 for the next launch and for
@@ -120,6 +121,7 @@ def route_front(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         q.stride(0), sa.stride(0), q_pairs.stride(0) if pairs else 0,
         H=h, BLOCK_T=bt, BLOCK_E=be, BLOCK_H=bh, NUM_STAGES=3,
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(e),
+        T_PAD=triton.next_power_of_2(t),
         HAS_BIAS=bias is not None, HASH=hashed, APPLY_SCORES=not _raw_logits,
         QUANT_ITERS=triton.cdiv(t * g, nprog), SCALE_FMT=SCALE_FMTS["fp32"], PAIRS=pairs,
         SOFTWARE=interpreting(),
