@@ -45,6 +45,7 @@ def _route_front_kernel(
     QUANT_ITERS: tl.constexpr, SCALE_FMT: tl.constexpr, PAIRS: tl.constexpr, SOFTWARE: tl.constexpr,
     R_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD_A: tl.constexpr, ROWS_PAD: tl.constexpr,
     MB_PAD: tl.constexpr,
+    DIAG: tl.constexpr = 0,  # probes only (wrong results): 1 = no routing / alignment, 2 = no quant
     PDL: tl.constexpr = 0,
 ):
     pdl_enter(PDL)
@@ -56,7 +57,7 @@ def _route_front_kernel(
     pid = pid_t * tl.num_programs(0) + pid_e
     G: tl.constexpr = (H + 127) // 128
     cc = tl.arange(0, 128)
-    for it in tl.static_range(QUANT_ITERS):
+    for it in tl.static_range(QUANT_ITERS if DIAG != 2 else 0):
         j = pid + it * nprog + tl.zeros([1], tl.int32)                  # [1]: this group's index
         ok = j < T * G
         row = tl.where(ok, j // G, 0).to(tl.int64)
@@ -70,12 +71,13 @@ def _route_front_kernel(
             store_pairs(p_ptr + row * stride_pm + g * 128, q, ok, SOFTWARE)
         tl.store(s_ptr + row * stride_sm + g, s_store, mask=ok)
     if split_k_arrive(cnt_ptr, nprog):
-        _topk_tokens(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, topk_w_ptr, topk_ids_ptr,
-                     T, E, stride_l, stride_tab, scale,
-                     TOP_K, K_PAD, E_PAD, T_PAD, HAS_BIAS, HASH, APPLY_SCORES)
-        tl.debug_barrier()
-        _align_small_body(topk_ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, expert_offsets_ptr,
-                          num_blocks_ptr, sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_weight_ptr,
-                          T * TOP_K, first_expert, num_local, max_blocks,
-                          True, R_BLOCK, BLOCK_M, E_PAD_A, ROWS_PAD, MB_PAD)
+        if DIAG != 1:
+            _topk_tokens(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, topk_w_ptr, topk_ids_ptr,
+                         T, E, stride_l, stride_tab, scale,
+                         TOP_K, K_PAD, E_PAD, T_PAD, HAS_BIAS, HASH, APPLY_SCORES)
+            tl.debug_barrier()
+            _align_small_body(topk_ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, expert_offsets_ptr,
+                              num_blocks_ptr, sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_weight_ptr,
+                              T * TOP_K, first_expert, num_local, max_blocks,
+                              True, R_BLOCK, BLOCK_M, E_PAD_A, ROWS_PAD, MB_PAD)
         split_k_reset(cnt_ptr)

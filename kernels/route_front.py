@@ -59,7 +59,7 @@ def front_limits(num_tokens: int, top_k: int, num_local: int, block_m: int, num_
 def route_front(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 tid2eid: torch.Tensor | None, input_ids: torch.Tensor | None, top_k: int,
                 routed_scaling_factor: float, *, num_local: int, first_expert: int, block_m: int,
-                pairs: bool = False, _raw_logits: bool = False):
+                pairs: bool = False, _raw_logits: bool = False, _diag: int = 0):
     """(topk_weights, topk_ids, q, sa, q_pairs | None, align); see the module docstring."""
     import triton  # noqa: PLC0415
 
@@ -124,7 +124,7 @@ def route_front(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         T_PAD=triton.next_power_of_2(t),
         HAS_BIAS=bias is not None, HASH=hashed, APPLY_SCORES=not _raw_logits,
         QUANT_ITERS=triton.cdiv(t * g, nprog), SCALE_FMT=SCALE_FMTS["fp32"], PAIRS=pairs,
-        SOFTWARE=interpreting(),
+        SOFTWARE=interpreting(), DIAG=_diag,
         R_BLOCK=max(2, triton.next_power_of_2(r)), BLOCK_M=block_m,
         E_PAD_A=max(triton.next_power_of_2(num_local), 64),
         ROWS_PAD=triton.next_power_of_2(max_rows), MB_PAD=triton.next_power_of_2(max_blocks),
