@@ -2,7 +2,9 @@
 
 Grid = the router's logits GEMV grid (`gemv_blocks`). Every program
 1. computes its [BLOCK_T, BLOCK_E] tile of the fp32 logits (`_logits_tile`, the GEMV's own
-   body: same block shape and warps, so the same bits);
+   body: same block shape and warps, so the same bits) and stores their scores
+   sqrt(softplus(logit)) (the function the top-k kernel applies, spread over all programs
+   instead of the last one's serial part);
 2. quantises its share of the T x G activation groups (group j = row j // G, columns
    128 (j % G) ..; j = pid, pid + P, ...) with `quant_group_tile` on a [1, 128] tile, as
    `act_quant` does at decode (one row per program), plus the bf16 "pairs" when asked;
@@ -52,7 +54,7 @@ def _route_front_kernel(
     pid_e = tl.program_id(0)
     pid_t = tl.program_id(1)
     _logits_tile(x_ptr, w_ptr, logits_ptr, pid_e, pid_t, T, E, stride_x, stride_w, stride_l,
-                 H, BLOCK_T, BLOCK_E, BLOCK_H, NUM_STAGES)
+                 H, BLOCK_T, BLOCK_E, BLOCK_H, NUM_STAGES, APPLY_SCORES)
     nprog = tl.num_programs(0) * tl.num_programs(1)
     pid = pid_t * tl.num_programs(0) + pid_e
     G: tl.constexpr = (H + 127) // 128
@@ -74,7 +76,7 @@ def _route_front_kernel(
         if DIAG != 1:
             _topk_tokens(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, topk_w_ptr, topk_ids_ptr,
                          T, E, stride_l, stride_tab, scale,
-                         TOP_K, K_PAD, E_PAD, T_PAD, HAS_BIAS, HASH, APPLY_SCORES)
+                         TOP_K, K_PAD, E_PAD, T_PAD, HAS_BIAS, HASH, False)
             tl.debug_barrier()
             _align_small_body(topk_ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, expert_offsets_ptr,
                               num_blocks_ptr, sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_weight_ptr,

@@ -51,15 +51,17 @@ def _router_logits_kernel(
     BLOCK_E rows once, where cuBLAS's split-K GEMV needs a second (reduce) launch."""
     pdl_enter(PDL)
     _logits_tile(x_ptr, w_ptr, out_ptr, tl.program_id(0), tl.program_id(1), T, E, stride_x, stride_w, stride_o,
-                 H, BLOCK_T, BLOCK_E, BLOCK_H, NUM_STAGES)
+                 H, BLOCK_T, BLOCK_E, BLOCK_H, NUM_STAGES, False)
 
 
 @triton.jit
 def _logits_tile(x_ptr, w_ptr, out_ptr, pid_e, pid_t, T, E, stride_x, stride_w, stride_o,
                  H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                 NUM_STAGES: tl.constexpr):
+                 NUM_STAGES: tl.constexpr, SCORES: tl.constexpr):
     """One [BLOCK_T, BLOCK_E] tile of the logits (the GEMV's program body; also run by
-    `_route_front_kernel`, so both give the same bits for the same block shape and warps)."""
+    `_route_front_kernel`, so both give the same bits for the same block shape and warps).
+    SCORES: store sqrt(softplus(logit)) instead (GPU only; the same function the top-k
+    kernel applies to the logits it loads, so the same bits)."""
     tt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     ee = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     hh = tl.arange(0, BLOCK_H)
@@ -73,6 +75,8 @@ def _logits_tile(x_ptr, w_ptr, out_ptr, pid_e, pid_t, T, E, stride_x, stride_w, 
         x = tl.load(x_ptrs + h0, mask=h_ok[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_ptrs + h0, mask=h_ok[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    if SCORES:
+        acc = _sqrt_softplus(acc)
     o_ptrs = out_ptr + tt.to(tl.int64)[:, None] * stride_o + ee[None, :]
     tl.store(o_ptrs, acc, mask=t_ok[:, None] & e_ok[None, :])
 
