@@ -105,6 +105,16 @@ def front_fused_supported(ctx: DispatchContext):
         chosen = dispatch.plan_stage(stage, ctx).chosen.name
         if chosen != "triton":
             return False, f"stage {stage!r} takes its {chosen!r} path, not the Triton one the front merges"
+    # NOTE: H200, session 14 (docs/bench/2026-11-29/session14/profile_layer_front_ab_*.txt, graphs,
+    # us, separate -> fused, three runs): Flash T=2 129-139 -> 121-128, T=3 164-172 -> 146-152,
+    # T=4 191-197 -> 175-180; Pro-TP8 T=1 43.8-48.5 -> 41.4-44.4, T=2 70.5-73.8 -> 67.4-69.1,
+    # T=3 / 4 level once the scores moved into the tile programs (92.8 / 92.7, 107.3 / 106.5);
+    # but Flash T=1 77.9-78.3 -> 78.6-79.1 in all three: the routed stage there is long enough
+    # to hide the separate launches, and the side-stream shared expert starts only once the
+    # whole front is done (the separate path forks it before the alignment).
+    if ctx.num_tokens == 1 and ctx.intermediate >= 2048:
+        return False, (f"T = 1 with I = {ctx.intermediate}: the separate launches measured 0.9 us faster in "
+                       f"the layer on the H200 (Flash-shaped decode)")
     # NOTE: 64 is the largest BLOCK_M a decode-sized routed config uses (the row bound only grows with it)
     ok, why = _kernel("route_front").front_limits(ctx.num_tokens, ctx.top_k, ctx.num_local_experts, 64,
                                                    ctx.num_experts, ctx.hidden)

@@ -204,11 +204,15 @@ def test_front_dispatch_reasons(monkeypatch):
     monkeypatch.setattr(dispatch, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(tu, "interpreting", lambda: False)
 
-    def ctx(t):
-        return DispatchContext(device=torch.device("cuda", 0), num_tokens=t)
+    def ctx(t, inter=384):
+        return DispatchContext(device=torch.device("cuda", 0), num_tokens=t, intermediate=inter)
 
     p = dispatch.plan_stage("front", ctx(1))
     assert p.chosen.name == "fused" and "one launch" in p.reason and "R = 6 routes" in p.reason
+    # Flash-shaped T = 1: the separate launches measured faster in the layer
+    p = dispatch.plan_stage("front", ctx(1, inter=2048))
+    assert p.chosen.name == "separate" and "T = 1 with I = 2048" in dict(p.rejected)["fused"]
+    assert dispatch.plan_stage("front", ctx(2, inter=2048)).chosen.name == "fused"
     p = dispatch.plan_stage("front", ctx(FRONT_MAX_T + 1))
     assert p.chosen.name == "separate"
     assert dict(p.rejected)["fused"].endswith(f"T = {FRONT_MAX_T + 1} tokens: the one-launch front covers "
