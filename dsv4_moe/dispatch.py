@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 __all__ = [
-    "DispatchContext", "Path", "STAGES", "select", "plan", "explain", "force_paths",
+    "DispatchContext", "Path", "STAGES", "select", "plan", "explain", "force_paths", "is_forced",
     "has_cuda", "has_fp8_mma", "has_pdl", "has_triton", "is_gfx950",
     "PDL_MODE", "PDL_MODES", "pdl_mode", "pdl_scope", "pdl_policy", "shared_overlap_policy",
 ]
@@ -348,6 +348,13 @@ def force_paths(**paths: str):
 
 def forced_paths() -> dict[str, str]:
     return dict(_FORCED.get())
+
+
+def is_forced(stage: str, name: str) -> bool:
+    """Whether `stage` is forced to path `name` now (force_paths or DSV4_MOE_FORCE), so a
+    predicate can skip a preference (not a capability) rule for it."""
+    forced = {**_env_forced(), **_FORCED.get()}
+    return forced.get(stage, forced.get("all")) == name
 
 
 # --------------------------------------------------------------------------- choosing

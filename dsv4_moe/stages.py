@@ -112,7 +112,7 @@ def front_fused_supported(ctx: DispatchContext):
     # but Flash T=1 77.9-78.3 -> 78.6-79.1 in all three: the routed stage there is long enough
     # to hide the separate launches, and the side-stream shared expert starts only once the
     # whole front is done (the separate path forks it before the alignment).
-    if ctx.num_tokens == 1 and ctx.intermediate >= 2048:
+    if ctx.num_tokens == 1 and ctx.intermediate >= 2048 and not dispatch.is_forced("front", "fused"):
         return False, (f"T = 1 with I = {ctx.intermediate}: the separate launches measured 0.9 us faster in "
                        f"the layer on the H200 (Flash-shaped decode)")
     # NOTE: 64 is the largest BLOCK_M a decode-sized routed config uses (the row bound only grows with it)

@@ -213,6 +213,8 @@ def test_front_dispatch_reasons(monkeypatch):
     p = dispatch.plan_stage("front", ctx(1, inter=2048))
     assert p.chosen.name == "separate" and "T = 1 with I = 2048" in dict(p.rejected)["fused"]
     assert dispatch.plan_stage("front", ctx(2, inter=2048)).chosen.name == "fused"
+    with force_paths(front="fused"):  # a preference, not a capability: forcing takes it
+        assert dispatch.plan_stage("front", ctx(1, inter=2048)).chosen.name == "fused"
     p = dispatch.plan_stage("front", ctx(FRONT_MAX_T + 1))
     assert p.chosen.name == "separate"
     assert dict(p.rejected)["fused"].endswith(f"T = {FRONT_MAX_T + 1} tokens: the one-launch front covers "

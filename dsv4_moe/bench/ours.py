@@ -37,7 +37,7 @@ __all__ = ["LAYER_PATHS", "DEFAULT_LAYER_PATHS", "STAGES", "path_forces", "force
            "make_context", "single_rank_view", "plan_label", "StageSet", "stage_callables", "stage_reference",
            "fill_stage_inputs", "subset", "exact_output"]
 
-LAYER_PATHS = ("default", "unfused", "reference", "no_pdl", "pdl_early", "pdl_exit")
+LAYER_PATHS = ("default", "unfused", "reference", "no_pdl", "pdl_early", "pdl_exit", "front_fused", "front_separate")
 DEFAULT_LAYER_PATHS = ("default", "unfused", "reference")
 _PDL_PATHS = {"no_pdl": "off", "pdl_early": "early", "pdl_exit": "exit"}  # path -> dispatch.PDL_MODE
 STAGES = ("router", "act_quant", "shared", "routed", "finalize")
@@ -49,6 +49,8 @@ def path_forces(path: str) -> dict:
         return {}
     if path == "unfused":
         return {"swiglu_quant": "unfused", "finalize": "unfused"}
+    if path in ("front_fused", "front_separate"):  # the decode front in one launch, or not (A/B)
+        return {"front": path.split("_")[1]}
     if path == "reference":
         return {s: "reference" for s in _ALL_STAGES}
     raise ValueError(f"path={path!r}: expected one of {LAYER_PATHS}")
