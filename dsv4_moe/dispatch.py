@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 __all__ = [
-    "DispatchContext", "Path", "STAGES", "select", "plan", "explain", "force_paths", "is_forced",
+    "DispatchContext", "Path", "STAGES", "select", "plan", "explain", "force_paths",
     "has_cuda", "has_fp8_mma", "has_pdl", "has_triton", "is_gfx950",
     "PDL_MODE", "PDL_MODES", "pdl_mode", "pdl_scope", "pdl_policy", "shared_overlap_policy",
 ]
@@ -273,11 +273,12 @@ def _stage_pred(name: str) -> Predicate:
 # Ordered preference per stage. The reference path exists for every stage and runs on CPU.
 # Implementations and shape predicates live in dsv4_moe.stages (adapters over kernels/).
 STAGES: dict[str, list[Path]] = {
-    # the decode front (router + act_quant + the routed alignment) in one launch, or the
-    # separate stages below ("separate" is the layer running them one by one)
+    # the decode front: the router, act_quant and routed-alignment stages one by one
+    # ("separate", the default), or in one launch ("fused", kernels/route_front.py: bitwise
+    # the same, measured level, so only when forced)
     "front": [
+        Path("front", "separate", _stage_pred("front_separate_preferred"), _S + "front_separate"),
         Path("front", "fused", _gpu(_stage_pred("front_fused_supported")), _S + "front_fused"),
-        Path("front", "separate", _always, _S + "front_separate"),
     ],
     "router": [
         Path("router", "triton", _gpu(_stage_pred("router_triton_supported")), _S + "router_triton"),
@@ -349,12 +350,6 @@ def force_paths(**paths: str):
 def forced_paths() -> dict[str, str]:
     return dict(_FORCED.get())
 
-
-def is_forced(stage: str, name: str) -> bool:
-    """Whether `stage` is forced to path `name` now (force_paths or DSV4_MOE_FORCE), so a
-    predicate can skip a preference (not a capability) rule for it."""
-    forced = {**_env_forced(), **_FORCED.get()}
-    return forced.get(stage, forced.get("all")) == name
 
 
 # --------------------------------------------------------------------------- choosing

@@ -105,16 +105,6 @@ def front_fused_supported(ctx: DispatchContext):
         chosen = dispatch.plan_stage(stage, ctx).chosen.name
         if chosen != "triton":
             return False, f"stage {stage!r} takes its {chosen!r} path, not the Triton one the front merges"
-    # NOTE: H200, session 14 (docs/bench/2026-11-29/session14/profile_layer_front_ab_*.txt, graphs,
-    # us, separate -> fused, three runs): Flash T=2 129-139 -> 121-128, T=3 164-172 -> 146-152,
-    # T=4 191-197 -> 175-180; Pro-TP8 T=1 43.8-48.5 -> 41.4-44.4, T=2 70.5-73.8 -> 67.4-69.1,
-    # T=3 / 4 level once the scores moved into the tile programs (92.8 / 92.7, 107.3 / 106.5);
-    # but Flash T=1 77.9-78.3 -> 78.6-79.1 in all three: the routed stage there is long enough
-    # to hide the separate launches, and the side-stream shared expert starts only once the
-    # whole front is done (the separate path forks it before the alignment).
-    if ctx.num_tokens == 1 and ctx.intermediate >= 2048 and not dispatch.is_forced("front", "fused"):
-        return False, (f"T = 1 with I = {ctx.intermediate}: the separate launches measured 0.9 us faster in "
-                       f"the layer on the H200 (Flash-shaped decode)")
     # NOTE: 64 is the largest BLOCK_M a decode-sized routed config uses (the row bound only grows with it)
     ok, why = _kernel("route_front").front_limits(ctx.num_tokens, ctx.top_k, ctx.num_local_experts, 64,
                                                    ctx.num_experts, ctx.hidden)
@@ -130,6 +120,19 @@ def front_fused(ctx, x, router, input_ids, top_k, scale, routed, pairs):
     return _kernel("route_front").route_front(x, router.weight, router.bias, router.tid2eid, input_ids, top_k,
                                               scale, num_local=routed.num_local, first_expert=routed.first_expert,
                                               block_m=block_m, pairs=pairs)
+
+
+def front_separate_preferred(ctx: DispatchContext):
+    # NOTE: H200, session 14 (docs/bench/2026-11-29/session14/bench_*_front_ab_bb91af8.txt: the
+    # layer bench, CUDA graphs, rotated router / shared weights and inputs, real routing, us,
+    # separate / fused): Flash T=1 83.7 / 83.3, T=2 125.6 / 129.6, T=3 164.7 / 163.9, T=4 189.3 /
+    # 189.5; Pro-TP8 T=1 52.7 / 53.0, T=2 74.0 / 72.1, T=3 96.6 / 96.1, T=4 107.2 / 111.0. The
+    # front kernel saves three launches but its last program's serial top-k + alignment (4-9 us,
+    # scripts/gpu_probe_front.py) costs what they cost; the 4-12 % gains of the un-rotated
+    # A/B (profile_layer_front_ab_*.txt) did not hold in the bench. So the separate launches
+    # stay the default and the fused front is taken only when forced.
+    return True, ("router, act_quant and the routed alignment as separate launches (the one-launch front "
+                  "measured level in the H200 layer bench; force_paths(front='fused') takes it)")
 
 
 def front_separate(ctx, x, router, input_ids, top_k, scale, routed, pairs):

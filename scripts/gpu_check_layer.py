@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     os.makedirs(out_dir, exist_ok=True)
     rows: list[dict] = []
     dev = torch.device("cuda")
-    tokens = [1, 4, 16, 256] if args.quick else [1, 4, 16, 256, 1000, 2048, 4096]
+    tokens = [1, 4, 16, 256] if args.quick else [1, 2, 3, 4, 16, 256, 1000, 2048, 4096]
     # Pro at TP8 is run as the per-rank layer (I = 384) on its own: one GPU holds one rank,
     # and the cross-rank reduce is torch.distributed's (tested on CPU with gloo).
     pro_rank = MoEConfig.pro().replace(moe_intermediate_size=384, name="pro-tp8-rank")

@@ -196,35 +196,30 @@ def test_shared_overlap_policy_rule():
 
 
 def test_front_dispatch_reasons(monkeypatch):
-    """The one-launch decode front (kernels/route_front.py) is planned only where the stages
-    it merges take their Triton paths and the sizes fit; planning runs on the CPU."""
+    """The one-launch decode front (kernels/route_front.py) measured level in the layer bench,
+    so the separate launches are the default and the fused front runs only when forced, and
+    only where the stages it merges take their Triton paths and the sizes fit (fail closed).
+    Planning runs on the CPU."""
     import dsv4_moe.kernels._triton_utils as tu
     from dsv4_moe.kernels.route_front import FRONT_MAX_T
 
     monkeypatch.setattr(dispatch, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(tu, "interpreting", lambda: False)
 
-    def ctx(t, inter=384):
-        return DispatchContext(device=torch.device("cuda", 0), num_tokens=t, intermediate=inter)
+    def ctx(t):
+        return DispatchContext(device=torch.device("cuda", 0), num_tokens=t)
 
     p = dispatch.plan_stage("front", ctx(1))
-    assert p.chosen.name == "fused" and "one launch" in p.reason and "R = 6 routes" in p.reason
-    # Flash-shaped T = 1: the separate launches measured faster in the layer
-    p = dispatch.plan_stage("front", ctx(1, inter=2048))
-    assert p.chosen.name == "separate" and "T = 1 with I = 2048" in dict(p.rejected)["fused"]
-    assert dispatch.plan_stage("front", ctx(2, inter=2048)).chosen.name == "fused"
-    with force_paths(front="fused"):  # a preference, not a capability: forcing takes it
-        assert dispatch.plan_stage("front", ctx(1, inter=2048)).chosen.name == "fused"
-    p = dispatch.plan_stage("front", ctx(FRONT_MAX_T + 1))
-    assert p.chosen.name == "separate"
-    assert dict(p.rejected)["fused"].endswith(f"T = {FRONT_MAX_T + 1} tokens: the one-launch front covers "
-                                              f"1 <= T <= {FRONT_MAX_T}")
-    with force_paths(router="reference"):
-        p = dispatch.plan_stage("front", ctx(1))
-        assert p.chosen.name == "separate"
-        assert "stage 'router' takes its 'reference' path" in dict(p.rejected)["fused"]
+    assert p.chosen.name == "separate" and "measured level" in p.reason and "force_paths(front='fused')" in p.reason
     with force_paths(front="fused"):
-        with pytest.raises(RuntimeError, match="forced path 'fused' cannot run here: T = 8 tokens"):
-            dispatch.select("front", ctx(8))
-    monkeypatch.setattr(tu, "interpreting", lambda: True)
-    assert "Triton interpreter" in dict(dispatch.plan_stage("front", ctx(1)).rejected)["fused"]
+        p = dispatch.plan_stage("front", ctx(1))
+        assert p.chosen.name == "fused" and "one launch" in p.reason and "R = 6 routes" in p.reason
+        with pytest.raises(RuntimeError, match=f"forced path 'fused' cannot run here: T = {FRONT_MAX_T + 1} tokens: "
+                                               f"the one-launch front covers 1 <= T <= {FRONT_MAX_T}"):
+            dispatch.select("front", ctx(FRONT_MAX_T + 1))
+        with force_paths(router="reference"):
+            with pytest.raises(RuntimeError, match="stage 'router' takes its 'reference' path"):
+                dispatch.select("front", ctx(1))
+        monkeypatch.setattr(tu, "interpreting", lambda: True)
+        with pytest.raises(RuntimeError, match="Triton interpreter"):
+            dispatch.select("front", ctx(1))
