@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MoeAlignment", "moe_align", "align_sizes"]
+__all__ = ["MoeAlignment", "moe_align", "align_sizes", "check_align_args", "new_alignment"]
 
 _BLOCK = 64    # routes per chunk: the rank compare is BLOCK x BLOCK registers
 _BB = 16       # M-blocks per program in the scatter kernel
@@ -73,6 +73,37 @@ def align_sizes(num_routes: int, num_local: int, block_m: int) -> tuple[int, int
     return max_blocks, max_blocks * block_m
 
 
+def check_align_args(num_local, first_expert, block_m) -> None:
+    """ValueError naming the argument unless num_local >= 1, first_expert >= 0 and block_m is
+    a power of two (moe_align's and route_front's alignment parameters)."""
+    if not isinstance(num_local, int) or num_local < 1:
+        raise ValueError(f"num_local={num_local!r}: expected an int >= 1")
+    if not isinstance(first_expert, int) or first_expert < 0:
+        raise ValueError(f"first_expert={first_expert!r}: expected an int >= 0")
+    if not isinstance(block_m, int) or block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m={block_m!r}: expected a power of two >= 1")
+
+
+def new_alignment(num_routes: int, top_k: int, num_local: int, block_m: int, device,
+                  with_weights: bool = True) -> MoeAlignment:
+    """An unfilled MoeAlignment of the right sizes (the kernels write every entry)."""
+    max_blocks, max_rows = align_sizes(num_routes, num_local, block_m)
+    i32 = dict(dtype=torch.int32, device=device)
+    return MoeAlignment(
+        sorted_route_ids=torch.empty(max_rows, **i32),
+        block_expert=torch.empty(max_blocks, **i32),
+        # NOTE: empty, not zeros: the scan kernel writes every entry (3 fill launches
+        # fewer per forward; each was ~1 us of a ~110 us Flash decode layer on the H200)
+        num_valid_blocks=torch.empty(1, **i32),
+        expert_offsets=torch.empty(num_local + 1, **i32),
+        expert_counts=torch.empty(num_local, **i32),
+        route_rows=torch.empty(num_routes, **i32),
+        row_expert=torch.empty(max_rows, **i32),
+        row_weight=torch.empty(max_rows, dtype=torch.float32, device=device) if with_weights else None,
+        block_m=block_m, top_k=top_k, num_routes=num_routes, max_blocks=max_blocks,
+    )
+
+
 def moe_align(topk_ids: torch.Tensor, num_local: int, first_expert: int, block_m: int,
               topk_weights: torch.Tensor | None = None, *, impl: str = "auto") -> MoeAlignment:
     """Group the (token, slot) routes of `topk_ids` by local expert; see the module doc.
@@ -86,12 +117,7 @@ def moe_align(topk_ids: torch.Tensor, num_local: int, first_expert: int, block_m
             or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids: expected a [T, k] int32/int64 tensor, got "
                          f"{getattr(topk_ids, 'dtype', type(topk_ids))} shape {tuple(getattr(topk_ids, 'shape', ()))}")
-    if not isinstance(num_local, int) or num_local < 1:
-        raise ValueError(f"num_local={num_local!r}: expected an int >= 1")
-    if not isinstance(first_expert, int) or first_expert < 0:
-        raise ValueError(f"first_expert={first_expert!r}: expected an int >= 0")
-    if not isinstance(block_m, int) or block_m < 1 or block_m & (block_m - 1):
-        raise ValueError(f"block_m={block_m!r}: expected a power of two >= 1")
+    check_align_args(num_local, first_expert, block_m)
     t, k = topk_ids.shape
     r = t * k
     if topk_weights is not None and (topk_weights.dtype != torch.float32 or topk_weights.shape != (t, k)
@@ -101,21 +127,8 @@ def moe_align(topk_ids: torch.Tensor, num_local: int, first_expert: int, block_m
     if r >= 2 ** 31 - 1:
         raise ValueError(f"topk_ids: T*k={r} routes overflow int32 row ids")
     dev = topk_ids.device
-    max_blocks, max_rows = align_sizes(r, num_local, block_m)
-    i32 = dict(dtype=torch.int32, device=dev)
-    out = MoeAlignment(
-        sorted_route_ids=torch.empty(max_rows, **i32),
-        block_expert=torch.empty(max_blocks, **i32),
-        # NOTE: empty, not zeros: the scan kernel writes every entry (3 fill launches
-        # fewer per forward; each was ~1 us of a ~110 us Flash decode layer on the H200)
-        num_valid_blocks=torch.empty(1, **i32),
-        expert_offsets=torch.empty(num_local + 1, **i32),
-        expert_counts=torch.empty(num_local, **i32),
-        route_rows=torch.empty(r, **i32),
-        row_expert=torch.empty(max_rows, **i32),
-        row_weight=None if topk_weights is None else torch.empty(max_rows, dtype=torch.float32, device=dev),
-        block_m=block_m, top_k=k, num_routes=r, max_blocks=max_blocks,
-    )
+    out = new_alignment(r, k, num_local, block_m, dev, with_weights=topk_weights is not None)
+    max_blocks, max_rows = out.max_blocks, out.max_rows
     if r == 0:
         out.num_valid_blocks.zero_()
         out.expert_offsets.zero_()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .moe_align import SMALL_MAX_ROWS, MoeAlignment, align_sizes
+from .moe_align import SMALL_MAX_ROWS, align_sizes, check_align_args, new_alignment
 from .router import GEMV_MAX_T, check_route_args, gemv_blocks
 
 __all__ = ["route_front", "front_limits", "FRONT_MAX_T", "FRONT_MAX_ROUTES"]
@@ -68,12 +68,7 @@ def route_front(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     from .split_k import tile_counters
 
     t, h, e, hashed = check_route_args(x, weight, bias, tid2eid, input_ids, top_k, routed_scaling_factor)
-    if not isinstance(num_local, int) or num_local < 1:
-        raise ValueError(f"num_local={num_local!r}: expected an int >= 1")
-    if not isinstance(first_expert, int) or first_expert < 0:
-        raise ValueError(f"first_expert={first_expert!r}: expected an int >= 0")
-    if not isinstance(block_m, int) or block_m < 1 or block_m & (block_m - 1):
-        raise ValueError(f"block_m={block_m!r}: expected a power of two >= 1")
+    check_align_args(num_local, first_expert, block_m)
     ok, why = front_limits(t, top_k, num_local, block_m, e, h, pairs)
     if not ok:
         raise ValueError(f"route_front: {why}")
@@ -95,13 +90,8 @@ def route_front(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     q = torch.empty((t, h), dtype=torch.float8_e4m3fn, device=dev)
     sa = torch.empty((t, g), **f32)
     q_pairs = torch.empty((t, h), dtype=torch.bfloat16, device=dev) if pairs else None
-    max_blocks, max_rows = align_sizes(r, num_local, block_m)
-    align = MoeAlignment(
-        sorted_route_ids=torch.empty(max_rows, **i32), block_expert=torch.empty(max_blocks, **i32),
-        num_valid_blocks=torch.empty(1, **i32), expert_offsets=torch.empty(num_local + 1, **i32),
-        expert_counts=torch.empty(num_local, **i32), route_rows=torch.empty(r, **i32),
-        row_expert=torch.empty(max_rows, **i32), row_weight=torch.empty(max_rows, **f32),
-        block_m=block_m, top_k=top_k, num_routes=r, max_blocks=max_blocks)
+    align = new_alignment(r, top_k, num_local, block_m, dev)
+    max_blocks, max_rows = align.max_blocks, align.max_rows
     bt, be, bh, warps = gemv_blocks(t, h)
     grid = (triton.cdiv(e, be), triton.cdiv(t, bt))
     nprog = grid[0] * grid[1]
