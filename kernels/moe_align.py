@@ -129,6 +129,7 @@ def moe_align(topk_ids: torch.Tensor, num_local: int, first_expert: int, block_m
     dev = topk_ids.device
     out = new_alignment(r, k, num_local, block_m, dev, with_weights=topk_weights is not None)
     max_blocks, max_rows = out.max_blocks, out.max_rows
+    i32 = dict(dtype=torch.int32, device=dev)
     if r == 0:
         out.num_valid_blocks.zero_()
         out.expert_offsets.zero_()
