@@ -198,6 +198,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-checkpoint", action="store_true")
     p.add_argument("--front-only", action="store_true", help="only the one-launch decode front's checks")
+    p.add_argument("--cases", default="flash,pro-tp8,flash-nk", help="which layer cases to run")
     args = p.parse_args(argv)
     out_dir = os.environ.get("OUT", "./out")
     os.makedirs(out_dir, exist_ok=True)
@@ -213,6 +214,8 @@ def main(argv=None) -> int:
              ("pro-tp8", pro_rank, "auto", tokens, [1, 4, 16, 256]),
              ("flash-nk", MoEConfig.flash(), "nk", [1, 16, 256], [1, 16])]
     for name, cfg, layout, toks, graph_toks in cases:
+        if name not in args.cases.split(","):
+            continue
         t0 = time.time()
         w = random_layer_weights(cfg, layer_idx=5, seed=0, device=dev)
         print(f"{name}: synthetic weights in {time.time() - t0:.1f}s", flush=True)
