@@ -4,12 +4,17 @@ H200 here this path is normally absent and says why)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = ["deep_gemm_supported", "fp8_deep_gemm_nt"]
 
 
+@functools.lru_cache(maxsize=None)
 def _import():
+    # NOTE: cached: a failed import searches sys.path again on every call (~100 us each on the
+    # CPU here, and the dispatch predicate asks once per GEMM shape on every forward)
     try:
         import deep_gemm
         return deep_gemm, None

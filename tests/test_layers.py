@@ -223,3 +223,16 @@ def test_front_dispatch_reasons(monkeypatch):
         monkeypatch.setattr(tu, "interpreting", lambda: True)
         with pytest.raises(RuntimeError, match="Triton interpreter"):
             dispatch.select("front", ctx(1))
+
+
+def test_optional_backend_import_is_tried_once():
+    """A failed optional import (deep_gemm) is not retried on every forward: the dispatch
+    predicate asks once per GEMM shape per forward, and each retry searched sys.path again
+    (~100-200 us of host time per forward, scripts/cpu_dispatch_cost.py)."""
+    from dsv4_moe.kernels import deep_gemm_fp8 as dg
+
+    dg._import.cache_clear()
+    first = dg.deep_gemm_supported(128, 128, 128, "cpu")
+    assert dg.deep_gemm_supported(128, 128, 128, "cpu") == first
+    info = dg._import.cache_info()
+    assert info.misses == 1 and info.hits >= 1
