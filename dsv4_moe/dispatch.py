@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 __all__ = [
-    "DispatchContext", "Path", "STAGES", "select", "plan", "explain", "force_paths",
+    "DispatchContext", "Path", "STAGES", "select", "plan", "explain", "force_paths", "clear_plan_cache",
     "has_cuda", "has_fp8_mma", "has_pdl", "has_triton", "is_gfx950",
     "PDL_MODE", "PDL_MODES", "pdl_mode", "pdl_scope", "pdl_policy", "shared_overlap_policy",
 ]
@@ -105,6 +105,7 @@ def pdl_scope(mode: str):
         _PDL_SCOPE.reset(token)
 
 
+@functools.lru_cache(maxsize=4096)  # pure; asked on every forward
 def pdl_policy(num_tokens: int, shared_overlapped: bool) -> tuple[str, str]:
     """(mode, reason) a layer forward launches with under PDL_MODE "auto"."""
     # NOTE: H200, session 7 (docs/bench/2026-11-29/session7/profile_layer_pdl_modes_3bae5ab.txt,
@@ -119,6 +120,7 @@ def pdl_policy(num_tokens: int, shared_overlapped: bool) -> tuple[str, str]:
     return "early", ("T = 1" if shared_overlapped else "shared expert in line") + ": successors released early"
 
 
+@functools.lru_cache(maxsize=4096)  # pure; asked on every forward
 def shared_overlap_policy(num_tokens: int, num_local_experts: int, top_k: int,
                           intermediate: int) -> tuple[bool, str]:
     """(overlap, reason): whether a layer forward runs the shared expert on its side stream
@@ -399,15 +401,58 @@ def plan_stage(stage: str, ctx: DispatchContext) -> StagePlan:
 
 _LOGGED: set = set()
 
+# select()'s memo: (stage, ctx, forced paths, the environment the predicates read) -> Path.
+# NOTE: an eager forward selects 8-10 times; planning each from scratch (predicates,
+# imports, reason strings) was ~0.35 ms of the ~2.4 ms host time of one H200 forward
+# (docs/bench/2026-11-29/session15/host_profile_*.txt). The predicates are pure functions
+# of this key and of the process's hardware and installed packages; code that swaps a
+# predicate or a hardware fact at run time (tests' monkeypatch) calls clear_plan_cache().
+_SELECT_CACHE: dict = {}
+_ENV_KEYS = ("DSV4_MOE_FORCE", "TRITON_INTERPRET", "DSV4_MOE_SCALED_MM", "DSV4_MOE_LOG_DISPATCH")
+_CLEARERS: list = []
+# os.environ.get costs ~1 us (key encoding); on POSIX the environment's byte dict is read
+# directly (os.environ writes go through it), elsewhere through os.environ.
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ENV_BYTE_KEYS = (tuple(k.encode() for k in _ENV_KEYS)
+                  if os.name == "posix" and isinstance(_ENV_DATA, dict) else None)
+
+
+def _env_state() -> tuple:
+    if _ENV_BYTE_KEYS is not None:
+        return tuple(map(_ENV_DATA.get, _ENV_BYTE_KEYS))
+    return tuple(map(os.environ.get, _ENV_KEYS))
+
+
+def register_cache(clear: Callable[[], None]) -> None:
+    """Have clear_plan_cache() also call `clear` (host-side caches of the kernel wrappers)."""
+    _CLEARERS.append(clear)
+
+
+def clear_plan_cache() -> None:
+    """Forget every memoised choice (select) and the registered wrapper caches: needed only
+    after replacing a predicate or hardware fact at run time (tests)."""
+    _SELECT_CACHE.clear()
+    for clear in _CLEARERS:
+        clear()
+
 
 def select(stage: str, ctx: DispatchContext) -> Path:
+    """The chosen path of `stage` for `ctx` (plan_stage's choice, memoised)."""
+    forced = _FORCED.get()
+    key = (stage, ctx, tuple(forced.items()) if forced else (), PDL_MODE, _env_state())
+    hit = _SELECT_CACHE.get(key)
+    if hit is not None:
+        return hit
     p = plan_stage(stage, ctx)
     if os.environ.get("DSV4_MOE_LOG_DISPATCH", "0") not in ("", "0"):
-        key = (stage, p.chosen.name, ctx)
-        if key not in _LOGGED:
-            _LOGGED.add(key)
+        log_key = (stage, p.chosen.name, ctx)
+        if log_key not in _LOGGED:
+            _LOGGED.add(log_key)
             print(f"[dsv4_moe] {stage}: {p.chosen.name} ({'forced' if p.forced else p.reason}) "
                   f"T={ctx.num_tokens} device={ctx.device}", file=sys.stderr)
+    if len(_SELECT_CACHE) > 65536:  # bounded: a server seeing every T still plans each once
+        _SELECT_CACHE.clear()
+    _SELECT_CACHE[key] = p.chosen
     return p.chosen
 
 

@@ -152,6 +152,7 @@ class DeepseekV4MoE(_NativeBuffers):
             raise TypeError(f"overlap_shared={overlap_shared!r}: expected 'auto', True or False")
         self.overlap_shared = overlap_shared
         self._side_streams: dict = {}
+        self._contexts: dict = {}  # (T, device) -> DispatchContext (immutable per layer)
         config.check_parallel(tp_rank=weights.tp_rank, tp_size=weights.tp_size, ep_rank=weights.ep_rank,
                               ep_size=weights.ep_size)
         r = weights.routed
@@ -187,14 +188,26 @@ class DeepseekV4MoE(_NativeBuffers):
     def device(self) -> torch.device:
         return self.router_weight.device
 
+    def _views(self) -> tuple:
+        """(key, RouterWeights, RoutedExpertWeights) over the current buffers, rebuilt only
+        when a buffer or the layout changed (.to(), set_routed_layout, an assignment): a
+        forward reads them several times, and each rebuild cost ~20 us of host time."""
+        key = (*map(id, self._buffers.values()), self.routed_layout)
+        views = self.__dict__.get("_view_cache")
+        if views is None or views[0] != key:
+            views = (key, self._rebuild(RouterWeights, "router_"),
+                     self._rebuild(RoutedExpertWeights, "routed_", first_expert=self.first_expert,
+                                   num_experts=self.config.n_routed_experts, layout=self.routed_layout))
+            self.__dict__["_view_cache"] = views
+        return views
+
     @property
     def router(self) -> RouterWeights:
-        return self._rebuild(RouterWeights, "router_")
+        return self._views()[1]
 
     @property
     def routed(self) -> RoutedExpertWeights:
-        return self._rebuild(RoutedExpertWeights, "routed_", first_expert=self.first_expert,
-                             num_experts=self.config.n_routed_experts, layout=self.routed_layout)
+        return self._views()[2]
 
     @property
     def weights(self) -> MoELayerWeights:
@@ -202,12 +215,20 @@ class DeepseekV4MoE(_NativeBuffers):
                                self.tp_rank, self.tp_size, self.ep_rank, self.ep_size)
 
     def context(self, num_tokens: int) -> DispatchContext:
-        c = self.config
-        return DispatchContext(device=self.device, num_tokens=num_tokens, hidden=c.hidden_size,
-                               intermediate=c.local_intermediate(self.tp_size), num_experts=c.n_routed_experts,
-                               num_local_experts=self.num_local_experts, top_k=c.num_experts_per_tok,
-                               tp_size=self.tp_size, ep_size=self.ep_size, is_hash=self.is_hash,
-                               routed_scale_range=self.routed_scale_range)
+        device = self.device
+        key = (num_tokens, device)
+        ctx = self._contexts.get(key)
+        if ctx is None:
+            c = self.config
+            ctx = DispatchContext(device=device, num_tokens=num_tokens, hidden=c.hidden_size,
+                                  intermediate=c.local_intermediate(self.tp_size), num_experts=c.n_routed_experts,
+                                  num_local_experts=self.num_local_experts, top_k=c.num_experts_per_tok,
+                                  tp_size=self.tp_size, ep_size=self.ep_size, is_hash=self.is_hash,
+                                  routed_scale_range=self.routed_scale_range)
+            if len(self._contexts) > 4096:
+                self._contexts.clear()
+            self._contexts[key] = ctx
+        return ctx
 
     # ------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor, input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -72,11 +72,35 @@ def pdl_options(device: torch.device) -> dict:
     Always a pair: a kernel launched with the attribute but not waiting would race its
     predecessor."""
     from dsv4_moe import dispatch  # noqa: PLC0415
-    code = _PDL_CODE.get(dispatch.pdl_mode(), 0)
+    mode = dispatch.pdl_mode()
+    key = (mode, device, device.index is None and device.type == "cuda" and torch.cuda.current_device())
+    opts = _PDL_OPTIONS.get(key)
+    if opts is None:
+        opts = _PDL_OPTIONS[key] = _pdl_options(_PDL_CODE.get(mode, 0), device)
+    return opts
+
+
+def _pdl_options(code: int, device: torch.device) -> dict:
     if not code or device.type != "cuda" or interpreting():
         return {}
     index = device.index if device.index is not None else torch.cuda.current_device()
     return {"PDL": code, "launch_pdl": True} if _pdl_capable(index) else {}
+
+
+# pdl_options per (mode, device): every launch asks (10-12 per eager forward). Shared dicts:
+# callers only unpack them. Cleared with dispatch.clear_plan_cache() (tests patch
+# interpreting() and the capability).
+_PDL_OPTIONS: dict = {}
+
+
+def _clear_host_caches() -> None:
+    _PDL_OPTIONS.clear()
+    _pdl_capable.cache_clear()
+
+
+def _register_host_caches() -> None:
+    from dsv4_moe import dispatch  # noqa: PLC0415
+    dispatch.register_cache(_clear_host_caches)
 
 
 @triton.jit
@@ -235,3 +259,6 @@ def split_k_arrive(cnt_ptr, num_splits):
 def split_k_reset(cnt_ptr):
     """Set a split-K tile counter back to 0 (done by the tile's last program)."""
     tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+
+
+_register_host_caches()

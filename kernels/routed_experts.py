@@ -29,6 +29,7 @@ rounding of gu (and from there, rarely, an FP8 code of hq). No host syncs: captu
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -56,9 +57,15 @@ SWIGLU_ROUTE_LIST_MIN_ROUTES = 12
 
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
     """(gate_up config, down config); both share BLOCK_M because they share one alignment."""
-    i, h = routed.intermediate, routed.hidden
-    up = select_config(num_routes, routed.num_local, 2 * i, h, routed.layout)
-    down = select_config(num_routes, routed.num_local, h, i, routed.layout)
+    return _routed_configs(num_routes, routed.num_local, routed.intermediate, routed.hidden, routed.layout)
+
+
+@functools.lru_cache(maxsize=4096)
+def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str) -> tuple[GemmConfig, GemmConfig]:
+    """routed_configs on the shapes only (memoised: an eager forward asks twice, ~70 us of
+    host time each on the H200's host before)."""
+    up = select_config(num_routes, num_local, 2 * i, h, layout)
+    down = select_config(num_routes, num_local, h, i, layout)
     if up.kind == "gemv" and down.kind != "gemv":  # e.g. Pro-TP8 T=4: long-K gate_up keeps the GEMV
         down = gemv_config(i)
     if down.block_m != up.block_m:
@@ -80,8 +87,8 @@ def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmCo
     #     16-row blocks (T=512: gate_up 661.8 -> 411.9, down 551.0 -> 306.5; T=1024: 644.5
     #     -> 564.3, 498.8 -> 421.3), above them 32-row blocks (T=2048: 921.1 -> 795.7,
     #     709.4 -> 641.1; 16-row blocks 978.1 / 692.2).
-    rows = num_routes / max(routed.num_local, 1)
-    mma64 = routed.layout == "mma64"
+    rows = num_routes / max(num_local, 1)
+    mma64 = layout == "mma64"
     whole = h % 128 == 0 and i % 128 == 0
     # NOTE (session 12, docs/bench/2026-11-29/session12/probe_swz_prefill_pairs*_9a8ab78.txt,
     # H200, graphs, uniform routing, us, the config before -> now, bitwise): the tile body on

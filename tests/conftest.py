@@ -11,3 +11,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _triton_interp  # noqa: E402, F401
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dispatch_memo():
+    """dispatch.select memoises its choices (and the kernel wrappers their launch options);
+    tests replace predicates and hardware facts with monkeypatch, so each test starts and
+    ends with empty memos."""
+    from dsv4_moe import dispatch
+
+    dispatch.clear_plan_cache()
+    yield
+    dispatch.clear_plan_cache()

@@ -221,6 +221,7 @@ def test_front_dispatch_reasons(monkeypatch):
             with pytest.raises(RuntimeError, match="stage 'router' takes its 'reference' path"):
                 dispatch.select("front", ctx(1))
         monkeypatch.setattr(tu, "interpreting", lambda: True)
+        dispatch.clear_plan_cache()  # select() memoises; a swapped fact needs a fresh plan
         with pytest.raises(RuntimeError, match="Triton interpreter"):
             dispatch.select("front", ctx(1))
 
