@@ -9,7 +9,9 @@
 from . import reference  # noqa: F401
 from .config import MoEConfig
 from .dispatch import force_paths
+from .graphs import GraphedMoE
 from .layers import DeepseekV4MLP, DeepseekV4MoE, load_moe_layer
 
-__all__ = ["MoEConfig", "DeepseekV4MLP", "DeepseekV4MoE", "load_moe_layer", "force_paths", "reference"]
+__all__ = ["MoEConfig", "DeepseekV4MLP", "DeepseekV4MoE", "GraphedMoE", "load_moe_layer", "force_paths",
+           "reference"]
 __version__ = "0.1.0"

@@ -167,8 +167,31 @@ def check_front(name, cfg, rows, dev, routed_layout="auto"):
                         sep2 = layer(x2, ids2)
                 rows.append({"case": f"{name} {kind} layer", "check": "front in graph==separate", "T": t,
                              "ok": _bytes_equal(out, sep2), "detail": "graph replay on new inputs vs eager separate"})
+        check_graphed(f"{name} {kind} layer", cfg, layer, rows, dev)
         del layer, w
         torch.cuda.empty_cache()
+
+
+def check_graphed(name, cfg, layer, rows, dev):
+    """GraphedMoE (dsv4_moe/graphs.py): replays == eager forwards bitwise, on inputs that
+    change between calls, and an uncaptured T falls back to the eager forward."""
+    from dsv4_moe import GraphedMoE
+
+    graphed = GraphedMoE(layer, token_counts=(1, 4, 16))
+    for t in (16, 4, 1, 4):  # T = 4 twice: the second call replays the graph captured by the first
+        x, ids = _inputs(cfg, t, 500 + t + graphed.replays, dev)
+        with torch.no_grad():
+            out = graphed(x, ids)
+            eager = layer(x, ids)
+        n = int((out.view(torch.int16) != eager.view(torch.int16)).sum())
+        rows.append({"case": name, "check": "GraphedMoE == eager", "T": t, "ok": _bytes_equal(out, eager),
+                     "detail": f"{n} differ ({graphed.replays} replays, captured {sorted(graphed._graphs)})"})
+    x, ids = _inputs(cfg, 3, 600, dev)
+    with torch.no_grad():
+        out, eager = graphed(x, ids), layer(x, ids)
+    rows.append({"case": name, "check": "GraphedMoE uncaptured T", "T": 3,
+                 "ok": _bytes_equal(out, eager) and graphed.eager_calls == 1,
+                 "detail": f"eager fallback ({graphed.eager_calls} eager calls)"})
 
 
 def check_checkpoint(rows, tmp):

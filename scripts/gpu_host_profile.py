@@ -22,6 +22,11 @@ import triton
 import triton.language as tl
 
 from dsv4_moe import DeepseekV4MoE, MoEConfig
+
+try:  # older trees (A/B runs against an earlier commit) have no GraphedMoE
+    from dsv4_moe import GraphedMoE
+except ImportError:
+    GraphedMoE = None
 from dsv4_moe.testing import random_layer_weights
 
 
@@ -30,29 +35,59 @@ def _bare_kernel(a, b, c, d, e, f, g, h, n1, n2, n3, n4, B1: tl.constexpr, B2: t
     pass
 
 
+def _median_batches(fn, reps, batches=5):
+    """Median over `batches` batches of reps // batches calls of (wall us, this thread's CPU
+    us) per call; the CPU time ignores preemption by other processes on a shared host."""
+    n = max(1, reps // batches)
+    walls, cpus = [], []
+    for _ in range(batches):
+        w0, c0 = time.perf_counter(), time.thread_time()
+        for _ in range(n):
+            fn()
+        walls.append((time.perf_counter() - w0) / n * 1e6)
+        cpus.append((time.thread_time() - c0) / n * 1e6)
+    return sorted(walls)[len(walls) // 2], sorted(cpus)[len(cpus) // 2]
+
+
 def eager_us(layer, x, ids, reps):
+    """Wall us per eager forward, synchronised per batch (median of 5 batches)."""
     with torch.no_grad():
         for _ in range(3):
             layer(x, ids)
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            layer(x, ids)
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / reps * 1e6
+        n = max(1, reps // 5)
+        walls = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                layer(x, ids)
+            torch.cuda.synchronize()
+            walls.append((time.perf_counter() - t0) / n * 1e6)
+        return sorted(walls)[2]
 
 
 def enqueue_us(layer, x, ids, reps):
-    """Host time per forward while the GPU is busy (a 200 ms sleep kernel queued first)."""
+    """(wall, thread CPU) us per forward while the GPU is busy (a sleep kernel queued first,
+    so the host never waits on it); medians of 5 batches."""
     with torch.no_grad():
         torch.cuda.synchronize()
-        torch.cuda._sleep(int(2e8))  # cycles: ~0.1-0.2 s at H200 clocks
+        torch.cuda._sleep(int(5e8))  # cycles: ~0.3 s at H200 clocks
+        res = _median_batches(lambda: layer(x, ids), reps)
+        torch.cuda.synchronize()
+        return res
+
+
+def graphed_us(graphed, x, ids, reps):
+    """Wall time per GraphedMoE call (copy in, replay, clone out), one synchronize at the end."""
+    with torch.no_grad():
+        graphed(x, ids)
+        torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(reps):
-            layer(x, ids)
-        t1 = time.perf_counter()
+            graphed(x, ids)
         torch.cuda.synchronize()
-        return (t1 - t0) / reps * 1e6
+        return (time.perf_counter() - t0) / reps * 1e6
 
 
 def graph_us(layer, x, ids, inner=10, reps=30):
@@ -132,10 +167,12 @@ def main():
             x = torch.randn(t, cfg.hidden_size, device="cuda", generator=g).bfloat16()
             ids = torch.randint(0, cfg.vocab_size, (t,), device="cuda", generator=g)
             e = eager_us(layer, x, ids, args.reps)
-            q = enqueue_us(layer, x, ids, args.reps)
+            q, qc = enqueue_us(layer, x, ids, args.reps)
             gr = graph_us(layer, x, ids)
-            lines.append(f"{name} T={t}: eager {e:.1f} us/forward, host enqueue {q:.1f} us/forward, "
-                         f"graph replay {gr:.1f} us/forward")
+            gm = graphed_us(GraphedMoE(layer, token_counts=(t,)), x, ids, args.reps) if GraphedMoE else float("nan")
+            lines.append(f"{name} T={t}: eager {e:.1f} us/forward, host enqueue {q:.1f} us/forward "
+                         f"({qc:.1f} us of thread CPU), "
+                         f"graph replay {gr:.1f} us/forward, GraphedMoE call {gm:.1f} us")
             print(lines[-1], flush=True)
         if args.cprofile:
             t = tokens[0]

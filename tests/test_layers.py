@@ -237,3 +237,37 @@ def test_optional_backend_import_is_tried_once():
     assert dg.deep_gemm_supported(128, 128, 128, "cpu") == first
     info = dg._import.cache_info()
     assert info.misses == 1 and info.hits >= 1
+
+
+def test_graphed_moe_rejects_bad_arguments(layers):
+    """GraphedMoE (dsv4_moe/graphs.py) names the bad argument; a CPU layer is refused
+    (graphs are CUDA-only); on the H200 scripts/gpu_check_layer.py checks replay == eager."""
+    from dsv4_moe import GraphedMoE
+
+    layer = layers[1]
+    with pytest.raises(TypeError, match="layer: expected a DeepseekV4MoE, got DeepseekV4MLP"):
+        GraphedMoE(layer.shared_experts, (1,))
+    for bad in ((), (0,), (1, True), (2.0,)):
+        with pytest.raises(ValueError, match=r"token_counts=.*expected one or more ints >= 1"):
+            GraphedMoE(layer, bad)
+    with pytest.raises(ValueError, match="layer is on cpu: CUDA graphs need the layer on a CUDA device"):
+        GraphedMoE(layer, (1, 4))
+
+
+def test_select_memo_follows_forcing_and_env(monkeypatch):
+    """dispatch.select memoises per (stage, context, forced paths, environment): forcing by
+    context manager or DSV4_MOE_FORCE still takes effect at once, and clear_plan_cache()
+    re-plans after a predicate is swapped."""
+    monkeypatch.setattr(dispatch, "_capability", lambda index: (9, 0))
+    ctx = DispatchContext(device=torch.device("cuda", 0), num_tokens=4)
+    assert dispatch.select("finalize", ctx).name == "fused"
+    with force_paths(finalize="unfused"):
+        assert dispatch.select("finalize", ctx).name == "unfused"
+    monkeypatch.setenv("DSV4_MOE_FORCE", "finalize=reference")
+    assert dispatch.select("finalize", ctx).name == "reference"
+    monkeypatch.delenv("DSV4_MOE_FORCE")
+    assert dispatch.select("finalize", ctx).name == "fused"
+    monkeypatch.setattr(dispatch, "has_cuda", lambda device: (False, "no cuda (test)"))
+    assert dispatch.select("finalize", ctx).name == "fused"  # memoised
+    dispatch.clear_plan_cache()
+    assert dispatch.select("finalize", ctx).name == "reference"
