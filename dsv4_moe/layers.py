@@ -356,6 +356,8 @@ class DeepseekV4MoE(_NativeBuffers):
             extra = "".join([f", K split {cfg.split_k} ways" if cfg.split_k > 1 else "",
                              (", bf16 activation pairs (written by act_quant)" if gemm == "gate_up" else
                               ", bf16 activation pairs (written by swiglu_quant)") if cfg.a_bf16 else "",
+                             ", activation scale folded into the operand (one MMA chain over K)"
+                             if cfg.fold_sa else "",
                              f", {cfg.maxnreg}-register cap" if cfg.maxnreg else "",
                              f", K loop unrolled {cfg.unroll}x" if cfg.unroll > 1 and cfg.kind == "swap" else
                              f", {cfg.unroll} K blocks per step" if cfg.unroll > 1 else ""])

@@ -30,9 +30,12 @@ def act_quant_reference(x, pairs=False):
     if not pairs:
         return q, s
     # bf16(q) (exact) with each 128-column group as its 64 even then 64 odd columns
-    # (act_quant's "pairs" output, kernels/act_quant.py)
+    # (act_quant's "pairs" output, kernels/act_quant.py); "scaled": bf16(q * s) (exact)
     m, k = q.shape
-    return q, s, q.to(torch.bfloat16).view(m, k // 128, 64, 2).transpose(2, 3).reshape(m, k)
+    v = q.float().view(m, k // 128, 128)
+    if pairs == "scaled":
+        v = v * s[:, :, None]
+    return q, s, v.to(torch.bfloat16).view(m, k // 128, 64, 2).transpose(2, 3).reshape(m, k)
 
 
 def fp8_gemm_reference(q, sa, w, sw):
@@ -279,9 +282,10 @@ def routed_experts_triton(q, sa, topk_w, topk_ids, routed, limit, swiglu="fused"
 
 
 def routed_wants_pairs(num_routes, routed):
-    """Whether the triton routed path's gate_up takes bf16 activation pairs at this size
-    (then act_quant writes them: kernels/act_quant.py, pairs=True)."""
-    return _kernel("routed_experts").routed_configs(num_routes, routed)[0].a_bf16
+    """The `pairs` argument of act_quant for the triton routed path's gate_up at this size:
+    False, True (bf16 activation pairs) or "scaled" (bf16(q * s), for a fold_sa config)."""
+    rx = _kernel("routed_experts")
+    return rx.pairs_mode(rx.routed_configs(num_routes, routed)[0])
 
 
 def finalize_fused_supported(ctx: DispatchContext):

@@ -19,7 +19,7 @@ def _act_quant_kernel(
     M, M_S, K,
     stride_xm, stride_qm, stride_sm, stride_sg, stride_pm,
     SCALE_FMT: tl.constexpr, BLOCK_M: tl.constexpr, SOFTWARE: tl.constexpr,
-    PAIRS: tl.constexpr = False,  # also write bf16(q) in the "pairs" layout (K % 128 == 0)
+    PAIRS: tl.constexpr = 0,  # also write bf16(q) in the "pairs" layout (K % 128 == 0); 2: bf16(q * s)
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
 ):
     pdl_enter(PDL)
@@ -32,12 +32,12 @@ def _act_quant_kernel(
     q, s_store = quant_group_tile(x, SCALE_FMT, SOFTWARE)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
     if PAIRS:  # K % 128 == 0: whole groups, only the row mask
-        store_pairs(p_ptr + rows * stride_pm + g * 128, q, rows < M, SOFTWARE)
+        store_pairs(p_ptr + rows * stride_pm + g * 128, q, rows < M, SOFTWARE, s_store, PAIRS == 2)
     tl.store(s_ptr + rows * stride_sm + g * stride_sg, s_store, mask=rows < M_S)
 
 
 def launch_act_quant(x, q_u8, s, m_s: int, scale_fmt_code: int, pairs=None, *, block_m=None,
-                     num_warps=None) -> None:
+                     num_warps=None, pairs_scaled: bool = False) -> None:
     """x [M, K] bf16 (unit column stride), q_u8 [M, K] uint8 view, s [M_S, G] any strides,
     pairs None or [M, K] bf16 (unit column stride, K % 128 == 0). block_m / num_warps:
     probes only (scripts/gpu_probe_act_quant.py); None = the tuned choice."""
@@ -57,7 +57,8 @@ def launch_act_quant(x, q_u8, s, m_s: int, scale_fmt_code: int, pairs=None, *, b
     _act_quant_kernel[grid](
         x, q_u8, s, pairs if pairs is not None else x, m, m_s, k,
         x.stride(0), q_u8.stride(0), s.stride(0), s.stride(1), pairs.stride(0) if pairs is not None else 0,
-        SCALE_FMT=scale_fmt_code, BLOCK_M=block_m, SOFTWARE=interpreting(), PAIRS=pairs is not None,
+        SCALE_FMT=scale_fmt_code, BLOCK_M=block_m, SOFTWARE=interpreting(),
+        PAIRS=0 if pairs is None else 2 if pairs_scaled else 1,
         num_warps=num_warps,
         **pdl_options(x.device),
     )

@@ -228,11 +228,20 @@ def _mxfp4_grouped_gemm_swap_kernel(
     DIAG: tl.constexpr = 0,        # probes only (gpu_probe_swz.py --diag): 1 skip dequant, 2 skip MMA
     LOOP_UNROLL: tl.constexpr = 1,  # Triton loop_unroll_factor of the K loop (GemmConfig.unroll)
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
+    FOLD_SA: tl.constexpr = False,  # GemmConfig.fold_sa: the activation scale in the operand
 ):
     """Swapped operands: out^T[n, rows] = W[n, k] . A^T[k, rows]. The dequantised weight
     tile is the MMA's first operand (kept in registers on Hopper: no shared-memory round
     trip), the BLOCK_M routed rows (16 at decode) are the second. Same per-block products
-    and the same block-order accumulation as _mxfp4_grouped_gemm_kernel."""
+    and the same block-order accumulation as _mxfp4_grouped_gemm_kernel.
+
+    FOLD_SA: the second operand is bf16(q * sa) (exact: sa is a power of two; A_BF16 reads
+    "scaled pairs" made by the quantiser, else the body scales q itself), so the MMA chain
+    accumulates every block in turn into acc - no per-block `acc += part * sa`, no wait on
+    each block's MMA before it, no scale loads in the loop (H200, session 15: 1.04-1.20x on
+    the decode GEMMs). The products are the same exact values; the fp32 sums are associated
+    per MMA step instead of per 128-block (the deviation docs/DESIGN.md describes). With
+    SPLIT each program writes its one partial to ws[pid_k] (ws [splits, R, N])."""
     pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -309,7 +318,17 @@ def _mxfp4_grouped_gemm_swap_kernel(
             w_lo, w_hi = _dequant_w_asm(packed, sb4, BLOCK_N)
         else:
             w_lo, w_hi = _dequant_w(packed, sb4, BLOCK_N, SELECT_SUBNORMAL)
-        if DIAG == 2:  # probe: no MMA (isolates load + conversion cost)
+        if FOLD_SA and not A_BF16:  # q * sa in bf16 (exact); "scaled pairs" come pre-scaled
+            s_b = tl.load(sa_ptrs + kb, mask=row_ok & (kb < (K + 127) // 128), other=0.0)
+            a_even = (a_even.to(tl.float32) * s_b[:, None]).to(tl.bfloat16)
+            a_odd = (a_odd.to(tl.float32) * s_b[:, None]).to(tl.bfloat16)
+        if FOLD_SA and SOFTWARE_BF16:
+            acc = tl.dot(w_lo, tl.trans(a_even.to(tl.float32)), acc, input_precision="ieee")
+            acc = tl.dot(w_hi, tl.trans(a_odd.to(tl.float32)), acc, input_precision="ieee")
+        elif FOLD_SA:
+            acc = tl.dot(w_lo.to(tl.bfloat16), tl.trans(a_even.to(tl.bfloat16)), acc)
+            acc = tl.dot(w_hi.to(tl.bfloat16), tl.trans(a_odd.to(tl.bfloat16)), acc)
+        elif DIAG == 2:  # probe: no MMA (isolates load + conversion cost)
             part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) + \
                 tl.sum(w_lo.to(tl.float32) + w_hi.to(tl.float32), axis=1)[:, None] + \
                 tl.sum(a_even.to(tl.float32) + a_odd.to(tl.float32), axis=1)[None, :]
@@ -319,12 +338,15 @@ def _mxfp4_grouped_gemm_swap_kernel(
         else:
             part = tl.dot(w_lo.to(tl.bfloat16), tl.trans(a_even.to(tl.bfloat16)))
             part = tl.dot(w_hi.to(tl.bfloat16), tl.trans(a_odd.to(tl.bfloat16)), part)
-        s_a = tl.load(sa_ptrs + kb, mask=row_ok & (kb < (K + 127) // 128), other=0.0)
-        if SPLIT:
-            tl.store(ws_ptrs + kb * R * N, part * s_a[None, :],
-                     mask=n_ok[:, None] & row_ok[None, :] & (kb < (K + 127) // 128))
-        else:
-            acc += part * s_a[None, :]
+        if not FOLD_SA:
+            s_a = tl.load(sa_ptrs + kb, mask=row_ok & (kb < (K + 127) // 128), other=0.0)
+            if SPLIT:
+                tl.store(ws_ptrs + kb * R * N, part * s_a[None, :],
+                         mask=n_ok[:, None] & row_ok[None, :] & (kb < (K + 127) // 128))
+            else:
+                acc += part * s_a[None, :]
+    if FOLD_SA and SPLIT:
+        tl.store(ws_ptrs + pid_k * R * N, acc, mask=n_ok[:, None] & row_ok[None, :])
     if not SPLIT:
         if OUT_SCATTER:
             orow = tl.where(row_ok, route, 0).to(tl.int64)

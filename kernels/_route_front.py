@@ -70,7 +70,7 @@ def _route_front_kernel(
         q, s_store = quant_group_tile(xv, SCALE_FMT, SOFTWARE)
         tl.store(q_ptr + row[:, None] * stride_qm + cols, q, mask=m)
         if PAIRS:  # H % 128 == 0 (checked by the wrapper)
-            store_pairs(p_ptr + row * stride_pm + g * 128, q, ok, SOFTWARE)
+            store_pairs(p_ptr + row * stride_pm + g * 128, q, ok, SOFTWARE, s_store, PAIRS == 2)
         tl.store(s_ptr + row * stride_sm + g, s_store, mask=ok)
     if split_k_arrive(cnt_ptr, nprog):
         if DIAG != 1:

@@ -106,7 +106,7 @@ def _swiglu_compute_store(
     q, s_store = quant_group_tile(hb, SCALE_FMT, not USE_LIBDEVICE)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
     if PAIRS:  # bf16(q) in the "pairs" layout (act_quant's pairs output; I % 128 == 0)
-        store_pairs(p_ptr + rows * stride_pm + g * 128, q, ok, not USE_LIBDEVICE)
+        store_pairs(p_ptr + rows * stride_pm + g * 128, q, ok, not USE_LIBDEVICE, s_store, PAIRS == 2)
     # Rows M..M_S-1 (padded column-major scales) write the scale of an all-zero group.
     s_mask = ok | ((rows >= M) & (rows < M_S))
     tl.store(s_ptr + rows * stride_sm + g * stride_sg, s_store, mask=s_mask)
@@ -118,7 +118,7 @@ def _swiglu_quant_group_kernel(
     M, M_S, I, limit,
     stride_gm, stride_qm, stride_sm, stride_sg, stride_pm,
     SCALE_FMT: tl.constexpr, HAS_RW: tl.constexpr, HAS_IDS: tl.constexpr, HAS_MAP: tl.constexpr,
-    USE_LIBDEVICE: tl.constexpr, PAIRS: tl.constexpr = False,
+    USE_LIBDEVICE: tl.constexpr, PAIRS: tl.constexpr = 0,
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
 ):
     pdl_enter(PDL)
@@ -138,7 +138,7 @@ def _swiglu_quant_persistent_kernel(
     stride_gm, stride_qm, stride_sm, stride_sg, stride_pm,
     SCALE_FMT: tl.constexpr, HAS_RW: tl.constexpr, HAS_IDS: tl.constexpr, HAS_MAP: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr, BLOCK_M: tl.constexpr, PREFETCH: tl.constexpr = False,
-    PAIRS: tl.constexpr = False,
+    PAIRS: tl.constexpr = 0,
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
 ):
     pdl_enter(PDL)
@@ -178,7 +178,7 @@ def _swiglu_quant_rows_kernel(
     M, M_S, I, limit, R,
     stride_gm, stride_qm, stride_sm, stride_sg, stride_pm,
     SCALE_FMT: tl.constexpr, HAS_RW: tl.constexpr, HAS_IDS: tl.constexpr, HAS_MAP: tl.constexpr,
-    USE_LIBDEVICE: tl.constexpr, BLOCK_R: tl.constexpr, PAIRS: tl.constexpr = False,
+    USE_LIBDEVICE: tl.constexpr, BLOCK_R: tl.constexpr, PAIRS: tl.constexpr = 0,
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
 ):
     """Program (pb, g): the rows rows[pb * BLOCK_R ...] (entries < 0 skipped) of group g."""
@@ -194,7 +194,8 @@ def _swiglu_quant_rows_kernel(
 
 
 def launch_swiglu_quant(gate_up, q_u8, s, rw, ids, emap, m_s: int, limit: float,
-                        scale_fmt_code: int, strategy: str, num_sms: int, pairs=None, rows=None) -> None:
+                        scale_fmt_code: int, strategy: str, num_sms: int, pairs=None, rows=None,
+                        pairs_scaled: bool = False) -> None:
     m = gate_up.shape[0]
     i = gate_up.shape[1] // 2
     g = triton.cdiv(i, 128)
@@ -202,7 +203,8 @@ def launch_swiglu_quant(gate_up, q_u8, s, rw, ids, emap, m_s: int, limit: float,
     args = (gate_up, q_u8, s, rw if rw is not None else dummy, ids if ids is not None else dummy,
             emap if emap is not None else dummy, pairs if pairs is not None else dummy)
     flags = dict(SCALE_FMT=scale_fmt_code, HAS_RW=rw is not None, HAS_IDS=ids is not None,
-                 HAS_MAP=emap is not None, USE_LIBDEVICE=not interpreting(), PAIRS=pairs is not None)
+                 HAS_MAP=emap is not None, USE_LIBDEVICE=not interpreting(),
+                 PAIRS=0 if pairs is None else 2 if pairs_scaled else 1)
     strides = (gate_up.stride(0), q_u8.stride(0), s.stride(0), s.stride(1),
                pairs.stride(0) if pairs is not None else 0)
     if strategy == "rows":

@@ -189,12 +189,17 @@ def e4m3_bytes_to_bf16(q, SOFTWARE: tl.constexpr):
 
 
 @triton.jit
-def store_pairs(p_row_ptrs, q, row_ok, SOFTWARE: tl.constexpr):
+def store_pairs(p_row_ptrs, q, row_ok, SOFTWARE: tl.constexpr, s, SCALED: tl.constexpr):
     """Store bf16(q) of an [R, 128] e4m3-byte tile in the "pairs" layout: its 64 even
     columns at p_row_ptrs + 0..63, its 64 odd ones at + 64..127 (what `bf16_pairs` writes).
     Split in registers, then two contiguous stores (a per-element permuted scatter measured
-    2-4x slower act_quant / swiglu_quant at T = 1024, session 11)."""
-    ev, od = tl.split(tl.reshape(e4m3_bytes_to_bf16(q, SOFTWARE), (q.shape[0], 64, 2)))
+    2-4x slower act_quant / swiglu_quant at T = 1024, session 11).
+    SCALED: bf16(q * s) instead, s [R] the rows' fp32 scales (powers of two, so exact):
+    the "scaled pairs" the routed swap body takes with GemmConfig.fold_sa."""
+    v = e4m3_bytes_to_bf16(q, SOFTWARE)
+    if SCALED:
+        v = (v.to(tl.float32) * s[:, None]).to(tl.bfloat16)
+    ev, od = tl.split(tl.reshape(v, (q.shape[0], 64, 2)))
     ptrs = p_row_ptrs[:, None] + tl.arange(0, 64)[None, :]
     tl.store(ptrs, ev, mask=row_ok[:, None])
     tl.store(ptrs + 64, od, mask=row_ok[:, None])

@@ -77,6 +77,21 @@ def check_scales_out(out_s: torch.Tensor, m: int, g: int, scale_fmt: str, device
                          f"scale_fmt={scale_fmt!r}")
 
 
+PAIRS_MODES = (False, True, "scaled")
+
+
+def pairs_scaled(pairs, fn: str, scale_fmt: str = "fp32") -> bool:
+    """Validate a `pairs` argument (False, True or "scaled") -> whether the pairs are scaled
+    (bf16(q * s): each row's group scale folded in, exact for power-of-two scales; the
+    routed swap body's operand with GemmConfig.fold_sa). Scaled pairs need fp32 scales."""
+    if not any(pairs is v or (isinstance(v, str) and pairs == v) for v in PAIRS_MODES):
+        raise ValueError(f"{fn}: pairs={pairs!r}, expected False, True or 'scaled'")
+    if pairs == "scaled" and scale_fmt != "fp32":
+        raise ValueError(f"{fn}: pairs='scaled' needs scale_fmt='fp32' (power-of-two fp32 scales), "
+                         f"got {scale_fmt!r}")
+    return pairs == "scaled"
+
+
 def check_pairs_out(out_pairs: Optional[torch.Tensor], m: int, k: int, device, fn: str,
                     dim: str = "K") -> torch.Tensor:
     """A [M, K] bf16 buffer for the "pairs" output (allocated when out_pairs is None)."""
@@ -100,7 +115,7 @@ def _scales_as_store_view(s: torch.Tensor) -> torch.Tensor:
 
 def act_quant(x: torch.Tensor, *, scale_fmt: str = "fp32",
               out_q: Optional[torch.Tensor] = None, out_s: Optional[torch.Tensor] = None,
-              pairs: bool = False, out_pairs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
+              pairs: "bool | str" = False, out_pairs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
     """Quantise activations to FP8 e4m3 with one scale per 128 columns (Triton).
 
     Args:
@@ -109,7 +124,8 @@ def act_quant(x: torch.Tensor, *, scale_fmt: str = "fp32",
         scale_fmt  str      "fp32" | "e8m0" | "fp32_cm" | "amax" (module docstring)
         out_q      [M, K]   float8_e4m3fn, optional preallocated output
         out_s      scales   optional preallocated output, exactly the format's layout
-        pairs      bool     also return bf16(q) in the "pairs" layout (module docstring)
+        pairs      bool     also return bf16(q) in the "pairs" layout (module docstring);
+                            "scaled": bf16(q * s) (each row's group scale folded in, exact)
         out_pairs  [M, K]   bfloat16, optional preallocated pairs output (with pairs=True)
     Returns:
         q          [M, K]   float8_e4m3fn
@@ -119,6 +135,7 @@ def act_quant(x: torch.Tensor, *, scale_fmt: str = "fp32",
     """
     fn = "act_quant"
     code = scale_fmt_code(scale_fmt, fn)
+    scaled = pairs_scaled(pairs, fn, scale_fmt)
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(f"{fn}: x must be a 2-D tensor [M, K], got "
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
@@ -147,5 +164,5 @@ def act_quant(x: torch.Tensor, *, scale_fmt: str = "fp32",
         return (out_q, out_s, p) if pairs else (out_q, out_s)
     from ._act_quant import launch_act_quant
 
-    launch_act_quant(x, out_q.view(torch.uint8), _scales_as_store_view(out_s), m_s, code, p)
+    launch_act_quant(x, out_q.view(torch.uint8), _scales_as_store_view(out_s), m_s, code, p, pairs_scaled=scaled)
     return (out_q, out_s, p) if pairs else (out_q, out_s)

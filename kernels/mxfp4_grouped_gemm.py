@@ -77,6 +77,12 @@ class GemmConfig:
     # swap body sits at 147 (3 programs per SM); 128 fits 4 with an 8-byte spill (local
     # sm_90 compile); probed in session 6 by scripts/gpu_probe_swz.py.
     maxnreg: int | None = None
+    # "swap": the activation scale folded into the bf16 activation operand (bf16(q * sa), exact
+    # for power-of-two scales; with a_bf16 the caller hands "scaled pairs", act_quant /
+    # swiglu_quant pairs="scaled"), so the K loop accumulates in the MMA chain: no per-block
+    # `acc += part * sa`, no wait on each block's MMA, no scale loads (see the swap kernel).
+    # routed_experts.routed_configs turns it on where the H200 measured a gain (session 15).
+    fold_sa: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("tile", "swap", "gemv"):
@@ -94,6 +100,8 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.maxnreg={self.maxnreg!r}: expected None or an int in [24, 255]")
         if not isinstance(self.unroll, int) or self.unroll < 1 or (self.unroll > 1 and self.kind == "tile"):
             raise ValueError(f"GemmConfig.unroll={self.unroll!r}: expected an int >= 1 (1 for kind 'tile')")
+        if self.fold_sa and self.kind != "swap":
+            raise ValueError(f"GemmConfig.fold_sa=True needs kind 'swap', got kind={self.kind!r}")
         if not isinstance(self.split_k, int) or self.split_k < 1 or (self.split_k > 1 and self.kind == "tile"):
             raise ValueError(f"GemmConfig.split_k={self.split_k!r}: expected an int >= 1 (1 for kind 'tile')")
 
@@ -181,11 +189,14 @@ def _fail(name: str, t, expected: str) -> None:
 def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: torch.Tensor,
                        align: MoeAlignment, *, gather_a: bool, scatter_out: bool,
                        out: torch.Tensor | None = None, config: GemmConfig | None = None,
-                       layout: str = "nk", a_pairs: torch.Tensor | None = None) -> torch.Tensor:
+                       layout: str = "nk", a_pairs: torch.Tensor | None = None,
+                       a_pairs_scaled: bool = False) -> torch.Tensor:
     """Grouped W4A8 GEMM over the blocks of `align`; see the module docstring for layouts.
 
     `a_pairs` (optional, only with config.a_bf16): `bf16_pairs(q)` made by the caller (e.g.
-    by act_quant / swiglu_quant in the same kernel that wrote q), so no conversion runs here.
+    by act_quant / swiglu_quant in the same kernel that wrote q), so no conversion runs here;
+    with config.fold_sa they must be the scaled pairs `bf16_pairs(q, sa)` (act_quant /
+    swiglu_quant pairs="scaled"), and `a_pairs_scaled=True` says they are.
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.dtype != torch.float8_e4m3fn:
         _fail("q", q, "[M, K] float8_e4m3fn")
@@ -240,11 +251,14 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
     w4 = w4.contiguous()
     sw = sw.contiguous().view(torch.uint8)
     swz = layout == "mma64"
+    if a_pairs is not None and a_pairs_scaled != (cfg.fold_sa and cfg.a_bf16):
+        raise ValueError(f"a_pairs_scaled={a_pairs_scaled}: config.fold_sa={cfg.fold_sa} takes "
+                         f"{'scaled' if cfg.fold_sa else 'plain'} pairs")
     if cfg.a_bf16:
         if k % 128:
             raise ValueError(f"config.a_bf16=True: K={k} must be a multiple of 128")
         if a_pairs is None:
-            q = bf16_pairs(q)
+            q = bf16_pairs(q, sa if cfg.fold_sa else None)
         elif (not isinstance(a_pairs, torch.Tensor) or a_pairs.dtype != torch.bfloat16
               or a_pairs.shape != q.shape or a_pairs.stride() != (k, 1) or a_pairs.device != q.device):
             _fail("a_pairs", a_pairs, f"a contiguous {list(q.shape)} bfloat16 tensor on {q.device} (bf16_pairs(q))")
@@ -276,10 +290,14 @@ def _launch_opts(cfg: GemmConfig) -> dict:
     return {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
 
 
-def bf16_pairs(q: torch.Tensor) -> torch.Tensor:
+def bf16_pairs(q: torch.Tensor, sa: torch.Tensor | None = None) -> torch.Tensor:
     """[M, K] e4m3 -> [M, K] bf16 (exact) with each 128-block as its 64 even k then its 64
-    odd k: the swap body's second operand when GemmConfig.a_bf16 is set."""
+    odd k: the swap body's second operand when GemmConfig.a_bf16 is set. With `sa` [M,
+    K/128] (fp32 powers of two) the scaled pairs bf16(q * sa) (exact; GemmConfig.fold_sa)."""
     m, k = q.shape
+    if sa is not None:
+        scaled = (q.float().view(m, k // 128, 128) * sa[:, :, None]).to(torch.bfloat16)
+        return scaled.view(m, k // 128, 64, 2).transpose(2, 3).reshape(m, k).contiguous()
     out = torch.empty((m, k), dtype=torch.bfloat16, device=q.device)
     # one elementwise kernel: the cast and the permutation in a single strided copy (the
     # session-5 profile showed `.to` + `.reshape` as two copy kernels, ~5 us at T = 16)
@@ -299,7 +317,9 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
     splits = -(-kb // kb_per)
     split = splits > 1
     r = align.num_routes
-    ws = torch.empty((kb, r, n) if split else (1,), dtype=torch.float32, device=q.device)
+    # one fp32 partial per 128-block, summed in block order after; with fold_sa one per split
+    parts = splits if cfg.fold_sa else kb
+    ws = torch.empty((parts, r, n) if split else (1,), dtype=torch.float32, device=q.device)
     grid = (align.max_blocks, triton.cdiv(n, cfg.block_n), splits)
     args = (q, sa, w4, sw, out, ws, align.sorted_route_ids, align.block_expert, align.num_valid_blocks,
             n, r, align.top_k, q.stride(0), sa.stride(0), w4.stride(0), w4.stride(1), sw.stride(0), sw.stride(1),
@@ -310,7 +330,8 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
                   num_warps=cfg.num_warps, **_launch_opts(cfg), **pdl_options(out.device))
     if cfg.kind == "swap":
         _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, W_SWZ=swz, A_BF16=cfg.a_bf16,
-                                              DIAG=cfg.diag, LOOP_UNROLL=cfg.unroll, **common)
+                                              DIAG=cfg.diag, LOOP_UNROLL=cfg.unroll, FOLD_SA=cfg.fold_sa,
+                                              **common)
     else:
         _mxfp4_gemv_kernel[grid](*args, UNROLL=cfg.unroll, **common)
     if split:
@@ -318,6 +339,6 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
         # the 4 x 256 tiles gave 6-18 programs for the whole reduction
         br, bn = 1, 128
         _split_k_reduce_kernel[(triton.cdiv(r, br), triton.cdiv(n, bn))](
-            ws, out, align.route_rows, r, n, out.stride(0), KB=kb, OUT_SCATTER=scatter_out,
+            ws, out, align.route_rows, r, n, out.stride(0), KB=parts, OUT_SCATTER=scatter_out,
             BLOCK_R=br, BLOCK_N=bn, SOFTWARE_BF16=interpreting(), num_warps=1, **pdl_options(out.device))
     return out

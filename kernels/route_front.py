@@ -59,7 +59,7 @@ def front_limits(num_tokens: int, top_k: int, num_local: int, block_m: int, num_
 def route_front(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 tid2eid: torch.Tensor | None, input_ids: torch.Tensor | None, top_k: int,
                 routed_scaling_factor: float, *, num_local: int, first_expert: int, block_m: int,
-                pairs: bool = False, _raw_logits: bool = False, _diag: int = 0):
+                pairs: "bool | str" = False, _raw_logits: bool = False, _diag: int = 0):
     """(topk_weights, topk_ids, q, sa, q_pairs | None, align); see the module docstring."""
     import triton  # noqa: PLC0415
 
@@ -67,6 +67,9 @@ def route_front(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     from ._triton_utils import SCALE_FMTS, interpreting, pdl_options
     from .split_k import tile_counters
 
+    from .act_quant import pairs_scaled
+
+    scaled = pairs_scaled(pairs, "route_front")
     t, h, e, hashed = check_route_args(x, weight, bias, tid2eid, input_ids, top_k, routed_scaling_factor)
     check_align_args(num_local, first_expert, block_m)
     ok, why = front_limits(t, top_k, num_local, block_m, e, h, pairs)
@@ -113,7 +116,8 @@ def route_front(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(e),
         T_PAD=triton.next_power_of_2(t),
         HAS_BIAS=bias is not None, HASH=hashed, APPLY_SCORES=not _raw_logits,
-        QUANT_ITERS=triton.cdiv(t * g, nprog), SCALE_FMT=SCALE_FMTS["fp32"], PAIRS=pairs,
+        QUANT_ITERS=triton.cdiv(t * g, nprog), SCALE_FMT=SCALE_FMTS["fp32"],
+        PAIRS=0 if not pairs else 2 if scaled else 1,
         SOFTWARE=interpreting(), DIAG=_diag,
         R_BLOCK=max(2, triton.next_power_of_2(r)), BLOCK_M=block_m,
         E_PAD_A=max(triton.next_power_of_2(num_local), 64),

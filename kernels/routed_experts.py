@@ -38,7 +38,7 @@ from dsv4_moe.weights.tensors import RoutedExpertWeights
 from .moe_align import MoeAlignment, moe_align
 from .mxfp4_grouped_gemm import GemmConfig, gemv_config, mxfp4_grouped_gemm, select_config
 
-__all__ = ["routed_experts_forward", "routed_configs"]
+__all__ = ["routed_experts_forward", "routed_configs", "pairs_mode"]
 
 # The SwiGLU-quant between the GEMMs computes the rows of the route list (session 13) from
 # this many routes on; below it (and with a huge value, always) the row-range strategies
@@ -54,16 +54,34 @@ __all__ = ["routed_experts_forward", "routed_configs"]
 # 105.0 -> 103.7, T=64 524.5 -> 510.3, T=1024 1194.0 -> 1184.7.
 SWIGLU_ROUTE_LIST_MIN_ROUTES = 12
 
+# The 16-row swap GEMMs at decode take their activation scale folded into the bf16 operand
+# (GemmConfig.fold_sa; act_quant / swiglu_quant write "scaled pairs"). False restores the
+# per-block `acc += part * sa` body (A/B: scripts/gpu_profile_layer.py --ab
+# dsv4_moe.kernels.routed_experts.FOLD_ACT_SCALE=0,1).
+# NOTE: H200, session 15 (docs/bench/2026-11-29/session15/probe_foldsa_*.txt, the layer's
+# configs, graphs, weights not rotated, us default -> folded): Flash gate_up T=1 (split 4)
+# 35.4 -> 29.8, T=4 94.0 -> 90.5, T=16 266.7 -> 246.9, T=64 702.2 -> 645.7; Flash down T=1
+# 20.2 -> 19.4, T=4 52.4 -> 48.1, T=16 134.5 -> 127.8, T=64 348.6 -> 326.9; Pro-TP8 gate_up
+# T=1 (split 8) 17.5 -> 15.1, T=4 44.8 -> 37.5, T=16 109.0 -> 102.2, T=64 279.8 -> 261.0;
+# Pro-TP8 down T=4 20.7 -> 18.0, T=16 67.7 -> 59.3, T=64 188.1 -> 163.7, but T=1 6.7 -> 7.5
+# (kept unfolded below 0.05 rows per expert). The sm_90a loop: 484 -> 425 SASS
+# instructions per 128-k step (Flash gate_up, T = 16), 128 registers without a spill. Probed
+# up to 1.5 rows per expert (T = 64); larger T keep the per-block body until measured.
+FOLD_ACT_SCALE = True
+FOLD_MAX_ROWS = 1.5
+
 
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
     """(gate_up config, down config); both share BLOCK_M because they share one alignment."""
-    return _routed_configs(num_routes, routed.num_local, routed.intermediate, routed.hidden, routed.layout)
+    return _routed_configs(num_routes, routed.num_local, routed.intermediate, routed.hidden, routed.layout,
+                           FOLD_ACT_SCALE, FOLD_MAX_ROWS)
 
 
 @functools.lru_cache(maxsize=4096)
-def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str) -> tuple[GemmConfig, GemmConfig]:
-    """routed_configs on the shapes only (memoised: an eager forward asks twice, ~70 us of
-    host time each on the H200's host before)."""
+def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str, fold: bool,
+                    fold_max_rows: float) -> tuple[GemmConfig, GemmConfig]:
+    """routed_configs on the shapes and the module switches it reads (memoised: an eager
+    forward asks twice, ~70 us of host time each on the H200's host before)."""
     up = select_config(num_routes, num_local, 2 * i, h, layout)
     down = select_config(num_routes, num_local, h, i, layout)
     if up.kind == "gemv" and down.kind != "gemv":  # e.g. Pro-TP8 T=4: long-K gate_up keeps the GEMV
@@ -147,7 +165,23 @@ def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str
     if down.kind == "swap" and mma64 and i <= 1024:
         down = dataclasses.replace(down, unroll=2,
                                    maxnreg=128 if rows >= 0.05 and down.block_m == 16 else None)
+    if fold and mma64 and rows <= fold_max_rows:
+        up, down = _fold(up, h), _fold(down, i, skip=i <= 1024 and rows < 0.05)
     return up, down
+
+
+def _fold(cfg: GemmConfig, k: int, skip: bool = False) -> GemmConfig:
+    """cfg with the activation scale folded into the operand (16-row swap blocks, whole
+    128-blocks), unless `skip`."""
+    if skip or cfg.kind != "swap" or cfg.block_m != 16 or k % 128:
+        return cfg
+    return dataclasses.replace(cfg, fold_sa=True)
+
+
+def pairs_mode(cfg: GemmConfig) -> "bool | str":
+    """The `pairs` argument the quantiser feeding a GEMM with config `cfg` takes: False, True
+    (bf16(q) pairs) or "scaled" (bf16(q * s), for fold_sa)."""
+    return ("scaled" if cfg.fold_sa else True) if cfg.a_bf16 else False
 
 
 def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torch.Tensor,
@@ -159,9 +193,10 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
 
     `swiglu` picks the SwiGLU-quant between the GEMMs: "fused" (one kernel) or "unfused"
     (its bitwise twin, the bf16 activation materialised) - the A/B of SPEC §5.1.
-    `q_pairs`: act_quant(x, pairs=True)'s third output (bf16(q) in the "pairs" layout),
-    used by gate_up when its config takes bf16 activations (else the GEMM converts q
-    itself, one more launch); the down GEMM's pairs come from swiglu_quant.
+    `q_pairs`: act_quant(x, pairs=pairs_mode(gate_up config))'s third output (bf16(q), or
+    bf16(q * s) for a fold_sa config, in the "pairs" layout), used by gate_up when its config
+    takes bf16 activations (else the GEMM converts q itself, one more launch); the down
+    GEMM's pairs come from swiglu_quant.
     `align`: `moe_align(topk_ids, routed.num_local, routed.first_expert, BLOCK_M, topk_weights)`
     made by the caller (route_front computes it in the router's launch); its BLOCK_M must be
     the gate_up config's.
@@ -201,7 +236,8 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
 
     gu = mxfp4_grouped_gemm(q, sa, routed.gate_up, routed.gate_up_scale, align,
                             gather_a=True, scatter_out=False, config=cfg_up, layout=routed.layout,
-                            a_pairs=q_pairs if cfg_up.a_bf16 else None)
+                            a_pairs=q_pairs if cfg_up.a_bf16 else None,
+                            a_pairs_scaled=cfg_up.fold_sa and cfg_up.a_bf16 and q_pairs is not None)
     # NOTE (session 13): from SWIGLU_ROUTE_LIST_MIN_ROUTES routes the SwiGLU-quant works on the
     # route list (align.route_rows: the GEMM row of each local route), not on the
     # alignment's max_rows rows - at decode most of those are block padding (Flash T = 16:
@@ -216,11 +252,11 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
         if not use_list and interpreting():  # the persistent grid's runtime-bound loop
             sel["strategy"] = "group"
         hq, hs, *hp = swiglu_quant(gu, limit=float(limit), route_weight=align.row_weight,
-                                   pairs=cfg_down.a_bf16, **sel)
+                                   pairs=pairs_mode(cfg_down), **sel)
     else:
         hq, hs, *hp = swiglu_quant_unfused(gu, limit=float(limit), route_weight=align.row_weight,
-                                           pairs=cfg_down.a_bf16, **sel)
+                                           pairs=pairs_mode(cfg_down), **sel)
     mxfp4_grouped_gemm(hq, hs, routed.down, routed.down_scale, align,
                        gather_a=False, scatter_out=True, out=y, config=cfg_down, layout=routed.layout,
-                       a_pairs=hp[0] if hp else None)
+                       a_pairs=hp[0] if hp else None, a_pairs_scaled=bool(hp) and cfg_down.fold_sa)
     return (y.view(t, k, h), align) if return_alignment else y.view(t, k, h)

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .act_quant import act_quant, alloc_scales, check_pairs_out, check_scales_out, scale_fmt_code
+from .act_quant import act_quant, alloc_scales, check_pairs_out, check_scales_out, pairs_scaled, scale_fmt_code
 
 __all__ = ["swiglu_quant", "swiglu_quant_unfused", "choose_strategy", "PERSISTENT_MIN_ELEMENTS"]
 
@@ -135,7 +135,7 @@ def swiglu_quant(gate_up: torch.Tensor, *, limit: float = 10.0,
                  expert_map: Optional[torch.Tensor] = None,
                  scale_fmt: str = "fp32",
                  out_q: Optional[torch.Tensor] = None, out_s: Optional[torch.Tensor] = None,
-                 strategy: Optional[str] = None, pairs: bool = False,
+                 strategy: Optional[str] = None, pairs: "bool | str" = False,
                  out_pairs: Optional[torch.Tensor] = None,
                  rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
     """Fused clamped SwiGLU + FP8 group quant (one Triton launch; none when M = 0).
@@ -150,7 +150,8 @@ def swiglu_quant(gate_up: torch.Tensor, *, limit: float = 10.0,
         out_q, out_s           optional preallocated outputs (skipped rows keep their bytes)
         strategy      str      None (choose_strategy; "rows" when `rows` is given) | "group" |
                                "persistent" | "rows"
-        pairs         bool     also return bf16(q) in the "pairs" layout (act_quant)
+        pairs         bool     also return bf16(q) in the "pairs" layout (act_quant; "scaled":
+                               bf16(q * s), see act_quant)
         out_pairs     [M, I]   bfloat16, optional preallocated pairs output (pairs=True)
         rows          [R]      int32 or None: compute only these rows (entries outside [0, M)
                                skipped, each row at most once; the expert filters still apply);
@@ -161,6 +162,7 @@ def swiglu_quant(gate_up: torch.Tensor, *, limit: float = 10.0,
     """
     fn = "swiglu_quant"
     code = scale_fmt_code(scale_fmt, fn)
+    scaled = pairs_scaled(pairs, fn, scale_fmt)
     m, i = _check_inputs(fn, gate_up, route_weight, expert_ids, expert_map)
     _check_rows(fn, rows, m, gate_up.device, scale_fmt)
     out_q, out_s = _outputs(fn, m, i, scale_fmt, gate_up.device, out_q, out_s)
@@ -181,7 +183,7 @@ def swiglu_quant(gate_up: torch.Tensor, *, limit: float = 10.0,
                if gate_up.device.type == "cuda" else 4)
     s_view = out_s.view(torch.uint8) if out_s.dtype == torch.float8_e8m0fnu else out_s
     launch_swiglu_quant(gate_up, out_q.view(torch.uint8), s_view, route_weight, expert_ids, expert_map,
-                        m_s, limit, code, strategy, num_sms, p, rows)
+                        m_s, limit, code, strategy, num_sms, p, rows, pairs_scaled=scaled)
     return (out_q, out_s, p) if pairs else (out_q, out_s)
 
 
@@ -191,7 +193,7 @@ def swiglu_quant_unfused(gate_up: torch.Tensor, *, limit: float = 10.0,
                          expert_map: Optional[torch.Tensor] = None,
                          scale_fmt: str = "fp32",
                          out_q: Optional[torch.Tensor] = None, out_s: Optional[torch.Tensor] = None,
-                         pairs: bool = False, out_pairs: Optional[torch.Tensor] = None,
+                         pairs: "bool | str" = False, out_pairs: Optional[torch.Tensor] = None,
                          rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
     """The unfused twin of `swiglu_quant` (same arguments and outputs, no `strategy`):
     separate torch ops with the bf16 activation materialised, then the Triton
@@ -199,6 +201,7 @@ def swiglu_quant_unfused(gate_up: torch.Tensor, *, limit: float = 10.0,
     fused kernel on the same device; it exists as the fallback and the A/B baseline."""
     fn = "swiglu_quant_unfused"
     scale_fmt_code(scale_fmt, fn)
+    pairs_scaled(pairs, fn, scale_fmt)
     m, i = _check_inputs(fn, gate_up, route_weight, expert_ids, expert_map)
     _check_rows(fn, rows, m, gate_up.device, scale_fmt)
     out_q, out_s = _outputs(fn, m, i, scale_fmt, gate_up.device, out_q, out_s)

@@ -560,3 +560,131 @@ def test_a_pairs_from_act_quant_bitwise():
         mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=cfg, a_pairs=p[:, :128])
     with pytest.raises(ValueError, match="a_pairs: expected a contiguous"):
         mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=cfg, a_pairs=p.float())
+
+
+# ---------------------------------------------------------------- fold_sa (session 15)
+def test_scaled_pairs_from_quantisers_bitwise():
+    """pairs="scaled": act_quant, swiglu_quant (fused and unfused) and route_front's
+    reference twin write bf16(q * s) in the pairs layout, exactly `bf16_pairs(q, s)`; the
+    argument is validated."""
+    from dsv4_moe import stages
+    from dsv4_moe.kernels.act_quant import act_quant
+    from dsv4_moe.kernels.mxfp4_grouped_gemm import bf16_pairs
+    from dsv4_moe.kernels.swiglu_quant import swiglu_quant, swiglu_quant_unfused
+
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(5, 384, generator=g).bfloat16() * torch.tensor([1e-3, 1.0, 30.0]).repeat_interleave(128)
+    x = x.bfloat16()
+    q, s, p = act_quant(x, pairs="scaled")
+    want = bf16_pairs(q, s)
+    assert torch.equal(p.view(torch.int16), want.view(torch.int16))
+    assert not torch.equal(p.view(torch.int16), bf16_pairs(q).view(torch.int16))
+    f = q.float().view(5, 3, 128) * s[:, :, None]
+    assert torch.equal(p[:, 64:128].float(), f[:, 0, 1::2])  # odd k of block 0, scaled, exact
+    rq, rs, rp = stages.act_quant_reference(x, pairs="scaled")
+    assert torch.equal(rp.view(torch.int16), want.view(torch.int16))
+    gu = torch.randn(6, 512, generator=g).bfloat16() * 3
+    rw = torch.rand(6, generator=g)
+    hq, hs, hp = swiglu_quant(gu, limit=7.0, route_weight=rw, strategy="group", pairs="scaled")
+    assert torch.equal(hp.view(torch.int16), bf16_pairs(hq, hs).view(torch.int16))
+    uq, us, up = swiglu_quant_unfused(gu, limit=7.0, route_weight=rw, pairs="scaled")
+    assert torch.equal(up.view(torch.int16), hp.view(torch.int16))
+    for fn in (lambda: act_quant(x, pairs="yes"), lambda: swiglu_quant(gu, pairs=1.5)):
+        with pytest.raises(ValueError, match="expected False, True or 'scaled'"):
+            fn()
+    with pytest.raises(ValueError, match="pairs='scaled' needs scale_fmt='fp32'"):
+        act_quant(x, pairs="scaled", scale_fmt="e8m0")
+
+
+@pytest.mark.parametrize("a_bf16,split", [(True, 1), (False, 1), (False, 2), (True, 3)],
+                         ids=["scaled-pairs", "fp8", "fp8-splitk", "scaled-pairs-splitk"])
+def test_fold_sa_vs_reference(a_bf16, split):
+    """GemmConfig.fold_sa: the activation scale folded into the bf16 operand (one MMA chain
+    over K) against the reference, gathered gate_up and scattered down (K = 384, a non-local
+    route never written), in the same bound as every body; the wrapper's own scaled pairs
+    equal act_quant's (bitwise); the bound still rejects a scale off by one 32-group."""
+    from dsv4_moe.kernels.act_quant import act_quant
+
+    g = torch.Generator().manual_seed(41)
+    e, t, k, h, n = 8, 5, 3, 384, 128
+    w, s = _weights(e, n, h, g)
+    x = (torch.randn(t, h, generator=g) * torch.tensor([3.0, 1e-2, 40.0]).repeat_interleave(128)).bfloat16()
+    q, sa, qp = act_quant(x, pairs="scaled")
+    ids = _ids(t, k, e + 2, g)
+    ids[0, 0] = 9
+    ids = ids.sort(1).values
+    a = moe_align(ids.int(), e, 0, 16)
+    cfg = GemmConfig(16, 64, 4, 2, kind="swap", split_k=split, a_bf16=a_bf16, fold_sa=True)
+    given = dict(a_pairs=qp, a_pairs_scaled=True) if a_bf16 else {}
+    out = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=cfg, **given)
+    local = ids.flatten() < e
+    rows = a.route_rows.long()[local]
+    routes = list(zip(torch.nonzero(local).flatten().tolist(), ids.flatten()[local].tolist()))
+    exp = torch.cat([ref.fp4_gemm(q[r // k:r // k + 1], sa[r // k:r // k + 1], w[ei], s[ei]) for r, ei in routes])
+    _assert_close(out[rows], exp, "fold gate_up")
+    _assert_far(out[rows], torch.cat([ref.fp4_gemm(q[r // k:r // k + 1], sa[r // k:r // k + 1], w[ei],
+                                                   torch.roll(s[ei].view(torch.uint8), 1, 1).view(s.dtype))
+                                      for r, ei in routes]), "shifted scales")
+    if a_bf16:  # the wrapper's fallback conversion makes the same operand
+        own = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=cfg)
+        assert torch.equal(own[rows].view(torch.int16), out[rows].view(torch.int16))
+    hq, hs = ref.act_quant(torch.randn(a.max_rows, h, generator=g).bfloat16())
+    sentinel = torch.full((t * k, n), 7.0, dtype=torch.bfloat16)
+    y = mxfp4_grouped_gemm(hq, hs, w, s, a, gather_a=False, scatter_out=True, out=sentinel.clone(), config=cfg)
+    exp = torch.cat([ref.fp4_gemm(hq[i:i + 1], hs[i:i + 1], w[ei], s[ei])
+                     for i, (_, ei) in zip(rows.tolist(), routes)])
+    _assert_close(y[local], exp, "fold down")
+    assert torch.equal(y[~local], sentinel[~local]), "non-local slots must not be written"
+
+
+def test_fold_sa_guards_and_routed_configs():
+    """fold_sa needs the swap body and the right pairs; routed_configs folds the 16-row swap
+    GEMMs of the mma64 layout at decode (<= FOLD_MAX_ROWS rows per expert), not the short-K
+    down below 0.05 rows per expert (measured slower), and not at prefill."""
+    from dsv4_moe.kernels import routed_experts as rx
+    from dsv4_moe.kernels.act_quant import act_quant
+    from dsv4_moe.weights.tensors import RoutedExpertWeights
+
+    with pytest.raises(ValueError, match="fold_sa=True needs kind 'swap'"):
+        GemmConfig(64, 128, kind="tile", fold_sa=True)
+    g = torch.Generator().manual_seed(5)
+    w, s = _weights(4, 128, 256, g)
+    q, sa, p = act_quant(torch.randn(2, 256, generator=g).bfloat16(), pairs=True)
+    a = moe_align(torch.tensor([[0, 1], [1, 3]], dtype=torch.int32), 4, 0, 16)
+    fold = GemmConfig(16, 128, kind="swap", a_bf16=True, fold_sa=True)
+    with pytest.raises(ValueError, match="a_pairs_scaled=False: config.fold_sa=True takes scaled pairs"):
+        mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=fold, a_pairs=p)
+    with pytest.raises(ValueError, match="a_pairs_scaled=True: config.fold_sa=False takes plain pairs"):
+        mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False,
+                           config=dataclasses.replace(fold, fold_sa=False), a_pairs=p, a_pairs_scaled=True)
+
+    def shaped(*shape, dtype=torch.uint8):  # shapes only: routed_configs reads no values
+        return torch.empty(1, dtype=dtype).expand(*shape)
+
+    def routed(e, h, i):
+        return RoutedExpertWeights(shaped(e, 2 * i, h // 2), shaped(e, 2 * i, h // 32, dtype=torch.float8_e8m0fnu),
+                                   shaped(e, h, i // 2), shaped(e, h, i // 32, dtype=torch.float8_e8m0fnu),
+                                   0, e, "mma64")
+    flash, pro = routed(256, 4096, 2048), routed(384, 7168, 384)
+    for r, t, up_fold, down_fold in ((flash, 1, True, True), (flash, 16, True, True), (flash, 64, True, True),
+                                     (flash, 256, False, False), (pro, 1, True, False), (pro, 4, True, True),
+                                     (pro, 64, True, True), (pro, 1024, False, False)):
+        up, down = rx.routed_configs(t * 6, r)
+        assert (up.fold_sa, down.fold_sa) == (up_fold, down_fold), (r.hidden, t, up, down)
+        assert rx.pairs_mode(up) == (("scaled" if up.fold_sa else True) if up.a_bf16 else False)
+    nk = dataclasses.replace(flash, layout="nk")
+    assert not any(c.fold_sa for c in rx.routed_configs(16 * 6, nk))
+
+
+def test_fold_switch_reaches_memoised_configs(monkeypatch):
+    """routed_configs is memoised on the shapes; the module switches are part of the key, so
+    an A/B that flips FOLD_ACT_SCALE (scripts/gpu_profile_layer.py --ab) takes effect."""
+    from dsv4_moe.kernels import routed_experts as rx
+    from dsv4_moe.weights.tensors import RoutedExpertWeights
+
+    u8, e8 = torch.empty(1, dtype=torch.uint8), torch.empty(1, dtype=torch.float8_e8m0fnu)
+    r = RoutedExpertWeights(u8.expand(256, 4096, 2048), e8.expand(256, 4096, 128), u8.expand(256, 4096, 1024),
+                            e8.expand(256, 4096, 64), 0, 256, "mma64")
+    assert rx.routed_configs(96, r)[0].fold_sa
+    monkeypatch.setattr(rx, "FOLD_ACT_SCALE", False)
+    assert not any(c.fold_sa for c in rx.routed_configs(96, r))
