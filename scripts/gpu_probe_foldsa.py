@@ -1,37 +1,27 @@
 """Probe (H200): the routed swap body with the activation scale folded into the bf16
-activation operand (the K loop accumulates in the MMA chain: no per-block wait, FFMA or
-scale loads) against the default body, on the layer's own configs. Timing only (the
-folded run is fed unscaled pairs: its values are not checked here).
+activation operand (GemmConfig.fold_sa: the K loop accumulates in the MMA chain, no
+per-block wait, FFMA or scale loads) against the per-block body, on the layer's own
+configs (CUDA graphs, weights not rotated), interleaved; plus the share of outputs that
+differ between the two (both are checked against the reference by gpu_check_layer).
 
     OUT=./out python3 scripts/gpu_probe_foldsa.py [--ts 1,4,16,64]
+
+(Session 15 first measured an experimental copy of the kernel fed unscaled pairs, commit
+955a6d2 + scripts/_mx_foldsa_exp.py, docs/bench/2026-11-29/session15/probe_foldsa_exp.txt.)
 """
 import argparse
 import os
-import sys
+import dataclasses
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _mx_foldsa_exp as EXP  # noqa: E402
-
 from dsv4_moe import DeepseekV4MoE, MoEConfig  # noqa: E402
-from dsv4_moe.kernels import _mxfp4_grouped_gemm as BODY  # noqa: E402
 from dsv4_moe.kernels.act_quant import act_quant  # noqa: E402
 from dsv4_moe.kernels.moe_align import moe_align  # noqa: E402
 from dsv4_moe.kernels.mxfp4_grouped_gemm import bf16_pairs, mxfp4_grouped_gemm  # noqa: E402
 from dsv4_moe.kernels.routed_experts import routed_configs  # noqa: E402
 from dsv4_moe.kernels.router import route_topk  # noqa: E402
 from dsv4_moe.testing import random_layer_weights  # noqa: E402
-
-
-class _Shim:
-    def __init__(self, fold):
-        self.fold = fold
-
-    def __getitem__(self, grid):
-        def launch(*a, **k):
-            return EXP._mxfp4_grouped_gemm_swap_kernel[grid](*a, SA_IN_B=self.fold, **k)
-        return launch
 
 
 def graph_us(fn, inner=20, reps=15):
@@ -71,28 +61,36 @@ def main():
             up, down = routed_configs(t * cfg.num_experts_per_tok, r)
             align = moe_align(ids, r.num_local, r.first_expert, up.block_m, w)
             q, sa, qp = act_quant(x, pairs=True)
+            qps = act_quant(x, pairs="scaled")[2]
             i = r.intermediate
-            hq = (torch.randn(align.max_rows, i, device="cuda") * 2).to(torch.float8_e4m3fn)
-            hs = torch.ones(align.max_rows, i // 128, device="cuda")
-            hp = bf16_pairs(hq)
+            hq, hs = act_quant((torch.randn(align.max_rows, i, device="cuda") * 2).bfloat16())
+            hp, hps = bf16_pairs(hq), bf16_pairs(hq, hs)
+
+            def pairs_kw(c, plain, scaled):
+                if not c.a_bf16:
+                    return {}
+                return dict(a_pairs=scaled, a_pairs_scaled=True) if c.fold_sa else dict(a_pairs=plain)
             for gemm, cfg_g, call in (
                 ("gate_up", up, lambda c: mxfp4_grouped_gemm(q, sa, r.gate_up, r.gate_up_scale, align, gather_a=True,
                                                              scatter_out=False, config=c, layout=r.layout,
-                                                             a_pairs=qp if c.a_bf16 else None)),
+                                                             **pairs_kw(c, qp, qps))),
                 ("down", down, lambda c: mxfp4_grouped_gemm(hq, hs, r.down, r.down_scale, align, gather_a=False,
                                                            scatter_out=True, config=c, layout=r.layout,
-                                                           a_pairs=hp if c.a_bf16 else None))):
-                if cfg_g.kind != "swap":
-                    lines.append(f"{name} T={t} {gemm}: kind {cfg_g.kind}, skipped")
+                                                           **pairs_kw(c, hp, hps)))):
+                if cfg_g.kind != "swap" or cfg_g.block_m != 16:
+                    lines.append(f"{name} T={t} {gemm}: kind {cfg_g.kind} {cfg_g.block_m} rows, skipped")
                     continue
                 res = {}
+                cfgs_ab = {f: dataclasses.replace(cfg_g, fold_sa=f) for f in (False, True)}
                 for fold in (False, True, False, True):
-                    BODY._mxfp4_grouped_gemm_swap_kernel = _Shim(fold)
-                    res.setdefault(fold, []).append(graph_us(lambda: call(cfg_g)))
+                    res.setdefault(fold, []).append(graph_us(lambda: call(cfgs_ab[fold])))
+                a_out, b_out = call(cfgs_ab[False]).float(), call(cfgs_ab[True]).float()
+                rows = align.route_rows.long() if gemm == "gate_up" else slice(None)
+                differ = (a_out[rows] != b_out[rows]).float().mean().item()
                 lines.append(f"{name} T={t} {gemm} ({cfg_g.block_m}x{cfg_g.block_n}, split {cfg_g.split_k}, "
-                             f"pairs {cfg_g.a_bf16}, cap {cfg_g.maxnreg}, unroll {cfg_g.unroll}): default "
-                             f"{min(res[False]):.2f} us, folded {min(res[True]):.2f} us, "
-                             f"x{min(res[False]) / min(res[True]):.3f}")
+                             f"pairs {cfg_g.a_bf16}, cap {cfg_g.maxnreg}, unroll {cfg_g.unroll}, default fold "
+                             f"{cfg_g.fold_sa}): per-block {min(res[False]):.2f} us, folded {min(res[True]):.2f} us, "
+                             f"x{min(res[False]) / min(res[True]):.3f}; {differ:.3%} of outputs differ")
                 print(lines[-1], flush=True)
         del layer
         torch.cuda.empty_cache()
