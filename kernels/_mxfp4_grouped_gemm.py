@@ -81,6 +81,7 @@ def _mxfp4_grouped_gemm_kernel(
                                         # needs SCALE_BCAST, BLOCK_N % 64 == 0 and K % 128 == 0
     A_BF16: tl.constexpr = False,  # activations given as bf16 pairs (as in the swap body; K % 128 == 0)
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
+    FOLD_SA: tl.constexpr = False,  # as the swap body's (GemmConfig.fold_sa): one MMA chain over K
 ):
     pdl_enter(PDL)
     pid_m = tl.program_id(0)
@@ -183,7 +184,17 @@ def _mxfp4_grouped_gemm_kernel(
         else:
             b_lo = tl.trans(w_lo)
             b_hi = tl.trans(w_hi)
-        if SOFTWARE_BF16:
+        if FOLD_SA and not A_BF16:  # q * sa in bf16 (exact); "scaled pairs" come pre-scaled
+            s_f = tl.load(sa_ptrs + kb)
+            a_even = (a_even.to(tl.float32) * s_f[:, None]).to(tl.bfloat16)
+            a_odd = (a_odd.to(tl.float32) * s_f[:, None]).to(tl.bfloat16)
+        if FOLD_SA and SOFTWARE_BF16:
+            acc = tl.dot(a_even.to(tl.float32), b_lo.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(a_odd.to(tl.float32), b_hi.to(tl.float32), acc, input_precision="ieee")
+        elif FOLD_SA:
+            acc = tl.dot(a_even.to(tl.bfloat16), b_lo, acc)
+            acc = tl.dot(a_odd.to(tl.bfloat16), b_hi, acc)
+        elif SOFTWARE_BF16:
             # NOTE: the Triton 3.6 interpreter multiplies bf16 dot operands as raw integers
             # (measured: errors ~1e10); fp32 operands hold the same exact values there.
             part = tl.dot(a_even.to(tl.float32), b_lo.to(tl.float32), input_precision="ieee")
@@ -193,8 +204,9 @@ def _mxfp4_grouped_gemm_kernel(
         else:
             part = tl.dot(a_even.to(tl.bfloat16), b_lo)
             part = tl.dot(a_odd.to(tl.bfloat16), b_hi, part)
-        s_a = tl.load(sa_ptrs + kb)
-        acc += part * s_a[:, None]
+        if not FOLD_SA:
+            s_a = tl.load(sa_ptrs + kb)
+            acc += part * s_a[:, None]
 
     if OUT_SCATTER:
         orow = tl.where(row_ok, route, 0).to(tl.int64)

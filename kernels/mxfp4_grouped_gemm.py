@@ -77,11 +77,16 @@ class GemmConfig:
     # swap body sits at 147 (3 programs per SM); 128 fits 4 with an 8-byte spill (local
     # sm_90 compile); probed in session 6 by scripts/gpu_probe_swz.py.
     maxnreg: int | None = None
-    # "swap": the activation scale folded into the bf16 activation operand (bf16(q * sa), exact
-    # for power-of-two scales; with a_bf16 the caller hands "scaled pairs", act_quant /
-    # swiglu_quant pairs="scaled"), so the K loop accumulates in the MMA chain: no per-block
-    # `acc += part * sa`, no wait on each block's MMA, no scale loads (see the swap kernel).
-    # routed_experts.routed_configs turns it on where the H200 measured a gain (session 15).
+    # "swap" / "tile": the activation scale folded into the bf16 activation operand (bf16(q *
+    # sa), exact for power-of-two scales; with a_bf16 the caller hands "scaled pairs",
+    # act_quant / swiglu_quant pairs="scaled"), so the K loop accumulates in the MMA chain: no
+    # per-block `acc += part * sa`, no wait on each block's MMA, no scale loads (see the swap
+    # kernel). routed_experts.routed_configs turns it on where the H200 measured a gain
+    # (session 15: the 16-row swap GEMMs at decode). NOTE: the tile body's fold is built and
+    # tested on the CPU but not measured on the GPU, so no config selects it yet; offline
+    # sm_90a compiles (session 15) count the prefill loops 528 -> 447 SASS per 128-k step
+    # (Flash gate_up at T = 8192, 168-register cap, its 92-byte spill gone) and 539 -> 465
+    # (Flash down, 176 -> 162 registers), Pro-TP8 down (fp8 operand) level (775 -> 772).
     fold_sa: bool = False
 
     def __post_init__(self) -> None:
@@ -100,8 +105,8 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.maxnreg={self.maxnreg!r}: expected None or an int in [24, 255]")
         if not isinstance(self.unroll, int) or self.unroll < 1 or (self.unroll > 1 and self.kind == "tile"):
             raise ValueError(f"GemmConfig.unroll={self.unroll!r}: expected an int >= 1 (1 for kind 'tile')")
-        if self.fold_sa and self.kind != "swap":
-            raise ValueError(f"GemmConfig.fold_sa=True needs kind 'swap', got kind={self.kind!r}")
+        if self.fold_sa and self.kind == "gemv":
+            raise ValueError(f"GemmConfig.fold_sa=True needs kind 'swap' or 'tile', got kind={self.kind!r}")
         if not isinstance(self.split_k, int) or self.split_k < 1 or (self.split_k > 1 and self.kind == "tile"):
             raise ValueError(f"GemmConfig.split_k={self.split_k!r}: expected an int >= 1 (1 for kind 'tile')")
 
@@ -280,7 +285,7 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
         SOFTWARE_BF16=interpreting(),
         A_SPLIT=cfg.a_split, W_KN=cfg.w_kn, SCALE_BCAST=cfg.scale_bcast, DIAG=cfg.diag,
         ASM=cfg.asm and cfg.scale_bcast and not interpreting(), W_SWZ=swz, A_BF16=cfg.a_bf16,
-        num_warps=cfg.num_warps, **_launch_opts(cfg), **pdl_options(out.device),
+        FOLD_SA=cfg.fold_sa, num_warps=cfg.num_warps, **_launch_opts(cfg), **pdl_options(out.device),
     )
     return out
 

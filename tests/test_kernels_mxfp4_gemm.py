@@ -596,9 +596,11 @@ def test_scaled_pairs_from_quantisers_bitwise():
         act_quant(x, pairs="scaled", scale_fmt="e8m0")
 
 
-@pytest.mark.parametrize("a_bf16,split", [(True, 1), (False, 1), (False, 2), (True, 3)],
-                         ids=["scaled-pairs", "fp8", "fp8-splitk", "scaled-pairs-splitk"])
-def test_fold_sa_vs_reference(a_bf16, split):
+@pytest.mark.parametrize("kind,a_bf16,split", [("swap", True, 1), ("swap", False, 1), ("swap", False, 2),
+                                               ("swap", True, 3), ("tile", True, 1), ("tile", False, 1)],
+                         ids=["scaled-pairs", "fp8", "fp8-splitk", "scaled-pairs-splitk", "tile-scaled-pairs",
+                              "tile-fp8"])
+def test_fold_sa_vs_reference(kind, a_bf16, split):
     """GemmConfig.fold_sa: the activation scale folded into the bf16 operand (one MMA chain
     over K) against the reference, gathered gate_up and scattered down (K = 384, a non-local
     route never written), in the same bound as every body; the wrapper's own scaled pairs
@@ -614,7 +616,7 @@ def test_fold_sa_vs_reference(a_bf16, split):
     ids[0, 0] = 9
     ids = ids.sort(1).values
     a = moe_align(ids.int(), e, 0, 16)
-    cfg = GemmConfig(16, 64, 4, 2, kind="swap", split_k=split, a_bf16=a_bf16, fold_sa=True)
+    cfg = GemmConfig(16, 64, 4, 2, kind=kind, split_k=split, a_bf16=a_bf16, fold_sa=True)
     given = dict(a_pairs=qp, a_pairs_scaled=True) if a_bf16 else {}
     out = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=cfg, **given)
     local = ids.flatten() < e
@@ -645,8 +647,8 @@ def test_fold_sa_guards_and_routed_configs():
     from dsv4_moe.kernels.act_quant import act_quant
     from dsv4_moe.weights.tensors import RoutedExpertWeights
 
-    with pytest.raises(ValueError, match="fold_sa=True needs kind 'swap'"):
-        GemmConfig(64, 128, kind="tile", fold_sa=True)
+    with pytest.raises(ValueError, match="fold_sa=True needs kind 'swap' or 'tile'"):
+        GemmConfig(1, 64, kind="gemv", fold_sa=True)
     g = torch.Generator().manual_seed(5)
     w, s = _weights(4, 128, 256, g)
     q, sa, p = act_quant(torch.randn(2, 256, generator=g).bfloat16(), pairs=True)

@@ -48,6 +48,7 @@ _FIELDS = ("sorted_route_ids", "block_expert", "num_valid_blocks", "expert_offse
     (1, 256, 64, 6, 64, 0, 16, False, False),
     (2, 384, 48, 4, 16, 16, 16, True, False),     # expert parallel: only experts 16..31 local
     (3, 256, 64, 6, 64, 0, 32, True, True),       # hash layer
+    (2, 256, 64, 6, 64, 0, 16, "scaled", False),  # scaled pairs (GemmConfig.fold_sa's operand)
     (4, 320, 32, 6, 32, 0, 16, False, False),     # H not a multiple of 128 (partial last group)
 ])
 def test_front_bitwise_separate(t, h, e, k, num_local, first, block_m, pairs, hashed):
