@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from dsv4_moe import DeepseekV4MoE, MoEConfig
+from dsv4_moe.bench.timing import time_sets
 
 try:  # older trees (A/B runs against an earlier commit) have no GraphedMoE
     from dsv4_moe import GraphedMoE
@@ -90,29 +91,10 @@ def graphed_us(graphed, x, ids, reps):
         return (time.perf_counter() - t0) / reps * 1e6
 
 
-def graph_us(layer, x, ids, inner=10, reps=30):
+def graph_us(layer, x, ids):
+    """CUDA-graph replay time of one forward (the package's bench timer: median of batches)."""
     with torch.no_grad():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                layer(x, ids)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(inner):
-                layer(x, ids)
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000 / inner)
-    return sorted(ts)[len(ts) // 2]
+        return time_sets([lambda: layer(x, ids)], device="cuda").median_us
 
 
 def calibrate():

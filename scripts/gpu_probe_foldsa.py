@@ -16,6 +16,7 @@ import dataclasses
 import torch
 
 from dsv4_moe import DeepseekV4MoE, MoEConfig  # noqa: E402
+from dsv4_moe.bench.timing import time_sets  # noqa: E402
 from dsv4_moe.kernels.act_quant import act_quant  # noqa: E402
 from dsv4_moe.kernels.moe_align import moe_align  # noqa: E402
 from dsv4_moe.kernels.mxfp4_grouped_gemm import bf16_pairs, mxfp4_grouped_gemm  # noqa: E402
@@ -24,23 +25,9 @@ from dsv4_moe.kernels.router import route_topk  # noqa: E402
 from dsv4_moe.testing import random_layer_weights  # noqa: E402
 
 
-def graph_us(fn, inner=20, reps=15):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(); fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(inner):
-            fn()
-    g.replay(); torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000 / inner)
-    return sorted(ts)[len(ts) // 2]
+def graph_us(fn):
+    """CUDA-graph replay time of fn (the package's bench timer: median of batches)."""
+    return time_sets([fn], device="cuda").median_us
 
 
 def main():
