@@ -334,13 +334,21 @@ class DeepseekV4MoE(_NativeBuffers):
                 f"{c.n_routed_experts}, top-{c.num_experts_per_tok}\n"
                 f"routed weights in layout {self.routed_layout!r}: {self.routed_layout_reason}"
                 f"{self._layout_hint()}\n"
-                f"shared expert: {self.shared_overlap(num_tokens)[1]}")
+                f"shared expert: {self.shared_overlap(num_tokens)[1]}\n"
+                f"shared expert as expert {c.n_routed_experts} in the routed launch (SPEC §5.3): not taken: "
+                f"{self._heterogeneous_reason(num_tokens)}")
         if self.device.type == "cuda" and dispatch.has_pdl(self.device)[0]:
             mode, why = (dispatch.pdl_policy(num_tokens, self.shared_overlap(num_tokens)[0])
                          if dispatch.PDL_MODE == "auto"
                          else (dispatch.PDL_MODE, "dispatch.PDL_MODE"))
             head += f"\nprogrammatic dependent launch: {mode} ({why})"
         return head + "\n" + dispatch.explain(self.context(num_tokens)) + self._gemm_plan(num_tokens)
+
+    def _heterogeneous_reason(self, num_tokens: int) -> str:
+        """Why the fused heterogeneous MoE (kernels/aiter_fhmoe.py) does not run this layer."""
+        from .kernels.aiter_fhmoe import fhmoe_supported
+
+        return fhmoe_supported(self.context(num_tokens))[1]
 
     def _gemm_plan(self, num_tokens: int) -> str:
         """The routed MXFP4 GEMM bodies for this T (kernels.routed_experts.routed_configs),

@@ -16,6 +16,8 @@ arguments and a private body (`_<op>.py`) with the @triton.jit kernels.
     routed_experts_forward  align -> gate_up -> swiglu_quant -> down          routed_experts.py
     finalize_shared_add  fused top-k reduce (ascending id) + shared add     finalize.py
     finalize_unfused     its bitwise two-kernel twin                        finalize.py
+    fhmoe_capability     AITER heterogeneous fused MoE: probe, prep, routes  aiter_fhmoe.py
+                         (SPEC §5.3; pure parts only, the call is not written)
 """
 
 import importlib
@@ -34,6 +36,7 @@ _EXPORTS = {
     "finalize_shared_add": "finalize", "finalize_unfused": "finalize", "finalize_partial": "finalize",
     "add_shared_round": "finalize",
     "routed_experts_forward": "routed_experts", "routed_configs": "routed_experts",
+    "fhmoe_capability": "aiter_fhmoe", "prepare_shared_expert": "aiter_fhmoe", "append_shared_route": "aiter_fhmoe",
 }
 
 __all__ = sorted(_EXPORTS)
