@@ -75,7 +75,11 @@ SWIGLU_ROUTE_LIST_MIN_ROUTES = 12
 # outputs differ (per-block body: 0.024 / 0.018 / 0.021 %), Pro-TP8 0.000 / 0.010 / 0.011 %
 # (0.000 / 0.003 / 0.003 %), all at most 1 ulp (the layer tolerance: 10 %, 8 ulp). The extra
 # layer differences are FP8 codes of the SwiGLU-quant output that flip when a gate_up sum
-# moves by an ulp.
+# moves by an ulp. Not yet measured, so not folded: the 32-row swap configs (T ~ 1024), where
+# offline sm_90a compiles (session 15) count 216 -> 128 registers (2 -> 4 programs per SM) and
+# 533 -> 431 SASS per 128-k step for gate_up (Flash and Pro-TP8), 253 -> 165 registers and
+# 1014 -> 815 for the unrolled Flash down; and the tile configs (see GemmConfig.fold_sa).
+# scripts/gpu_probe_foldsa.py --ts 256,1024,4096 measures them against the per-block body.
 FOLD_ACT_SCALE = os.environ.get("DSV4_MOE_FOLD_ACT_SCALE", "1").strip() not in ("0", "", "false", "off")
 FOLD_MAX_ROWS = 1.5
 

@@ -4,7 +4,9 @@ per-block wait, FFMA or scale loads) against the per-block body, on the layer's 
 configs (CUDA graphs, weights not rotated), interleaved; plus the share of outputs that
 differ between the two (both are checked against the reference by gpu_check_layer).
 
-    OUT=./out python3 scripts/gpu_probe_foldsa.py [--ts 1,4,16,64]
+    OUT=./out python3 scripts/gpu_probe_foldsa.py [--ts 1,4,16,64]     (decode: the folded default)
+    OUT=./out python3 scripts/gpu_probe_foldsa.py --ts 256,1024,4096   (not folded yet: 32-row swap
+                                                                        and tile configs, to measure)
 
 (Session 15 first measured an experimental copy of the kernel fed unscaled pairs, commit
 955a6d2 + scripts/_mx_foldsa_exp.py, docs/bench/2026-11-29/session15/probe_foldsa_exp.txt.)
@@ -64,8 +66,8 @@ def main():
                 ("down", down, lambda c: mxfp4_grouped_gemm(hq, hs, r.down, r.down_scale, align, gather_a=False,
                                                            scatter_out=True, config=c, layout=r.layout,
                                                            **pairs_kw(c, hp, hps)))):
-                if cfg_g.kind != "swap" or cfg_g.block_m != 16:
-                    lines.append(f"{name} T={t} {gemm}: kind {cfg_g.kind} {cfg_g.block_m} rows, skipped")
+                if cfg_g.kind == "gemv":
+                    lines.append(f"{name} T={t} {gemm}: kind gemv, skipped")
                     continue
                 res = {}
                 cfgs_ab = {f: dataclasses.replace(cfg_g, fold_sa=f) for f in (False, True)}
@@ -74,7 +76,7 @@ def main():
                 a_out, b_out = call(cfgs_ab[False]).float(), call(cfgs_ab[True]).float()
                 rows = align.route_rows.long() if gemm == "gate_up" else slice(None)
                 differ = (a_out[rows] != b_out[rows]).float().mean().item()
-                lines.append(f"{name} T={t} {gemm} ({cfg_g.block_m}x{cfg_g.block_n}, split {cfg_g.split_k}, "
+                lines.append(f"{name} T={t} {gemm} ({cfg_g.kind} {cfg_g.block_m}x{cfg_g.block_n}, split {cfg_g.split_k}, "
                              f"pairs {cfg_g.a_bf16}, cap {cfg_g.maxnreg}, unroll {cfg_g.unroll}, default fold "
                              f"{cfg_g.fold_sa}): per-block {min(res[False]):.2f} us, folded {min(res[True]):.2f} us, "
                              f"x{min(res[False]) / min(res[True]):.3f}; {differ:.3%} of outputs differ")
