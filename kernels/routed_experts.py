@@ -81,7 +81,25 @@ SWIGLU_ROUTE_LIST_MIN_ROUTES = 12
 # 1014 -> 815 for the unrolled Flash down; and the tile configs (see GemmConfig.fold_sa).
 # scripts/gpu_probe_foldsa.py --ts 256,1024,4096 measures them against the per-block body.
 FOLD_ACT_SCALE = os.environ.get("DSV4_MOE_FOLD_ACT_SCALE", "1").strip() not in ("0", "", "false", "off")
-FOLD_MAX_ROWS = 1.5
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        v = float("nan")
+    if not v >= 0:
+        raise ValueError(f"{name}={raw!r}: expected a number >= 0")
+    return v
+
+
+# Routes per local expert up to which the swap / tile GEMMs fold (measured: the 16-row swap
+# configs, <= 1.5). DSV4_MOE_FOLD_MAX_ROWS raises it for measurements (e.g. 1e9: every swap
+# and tile config, the 32-row and prefill ones not yet timed on the GPU).
+FOLD_MAX_ROWS = _env_float("DSV4_MOE_FOLD_MAX_ROWS", 1.5)
 
 
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
@@ -95,6 +113,15 @@ def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str
                     fold_max_rows: float) -> tuple[GemmConfig, GemmConfig]:
     """routed_configs on the shapes and the module switches it reads (memoised: an eager
     forward asks twice, ~70 us of host time each on the H200's host before)."""
+    up, down = _base_configs(num_routes, num_local, i, h, layout)
+    rows = num_routes / max(num_local, 1)
+    if fold and layout == "mma64" and rows <= fold_max_rows:
+        up, down = _fold(up, h), _fold(down, i, skip=i <= 1024 and rows < 0.05)
+    return up, down
+
+
+def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str) -> tuple[GemmConfig, GemmConfig]:
+    """The GEMM configs before the fold of the activation scale."""
     up = select_config(num_routes, num_local, 2 * i, h, layout)
     down = select_config(num_routes, num_local, h, i, layout)
     if up.kind == "gemv" and down.kind != "gemv":  # e.g. Pro-TP8 T=4: long-K gate_up keeps the GEMV
@@ -178,15 +205,13 @@ def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str
     if down.kind == "swap" and mma64 and i <= 1024:
         down = dataclasses.replace(down, unroll=2,
                                    maxnreg=128 if rows >= 0.05 and down.block_m == 16 else None)
-    if fold and mma64 and rows <= fold_max_rows:
-        up, down = _fold(up, h), _fold(down, i, skip=i <= 1024 and rows < 0.05)
     return up, down
 
 
 def _fold(cfg: GemmConfig, k: int, skip: bool = False) -> GemmConfig:
-    """cfg with the activation scale folded into the operand (16-row swap blocks, whole
+    """cfg with the activation scale folded into the operand (swap and tile bodies, whole
     128-blocks), unless `skip`."""
-    if skip or cfg.kind != "swap" or cfg.block_m != 16 or k % 128:
+    if skip or cfg.kind == "gemv" or k % 128:
         return cfg
     return dataclasses.replace(cfg, fold_sa=True)
 

@@ -690,3 +690,23 @@ def test_fold_switch_reaches_memoised_configs(monkeypatch):
     assert rx.routed_configs(96, r)[0].fold_sa
     monkeypatch.setattr(rx, "FOLD_ACT_SCALE", False)
     assert not any(c.fold_sa for c in rx.routed_configs(96, r))
+
+
+def test_fold_max_rows_env_widens_the_fold(monkeypatch):
+    """DSV4_MOE_FOLD_MAX_ROWS (module FOLD_MAX_ROWS) widens the fold to the 32-row swap and
+    the tile configs for measurements; a bad value is named."""
+    from dsv4_moe.kernels import routed_experts as rx
+    from dsv4_moe.weights.tensors import RoutedExpertWeights
+
+    u8, e8 = torch.empty(1, dtype=torch.uint8), torch.empty(1, dtype=torch.float8_e8m0fnu)
+    r = RoutedExpertWeights(u8.expand(256, 4096, 2048), e8.expand(256, 4096, 128), u8.expand(256, 4096, 1024),
+                            e8.expand(256, 4096, 64), 0, 256, "mma64")
+    assert not any(c.fold_sa for c in rx.routed_configs(8192 * 6, r))
+    monkeypatch.setattr(rx, "FOLD_MAX_ROWS", float("inf"))
+    for t in (1024, 8192):
+        up, down = rx.routed_configs(t * 6, r)
+        assert up.fold_sa and down.fold_sa, (t, up, down)
+        assert rx.pairs_mode(up) == ("scaled" if up.a_bf16 else False)
+    monkeypatch.setenv("DSV4_MOE_FOLD_MAX_ROWS", "lots")
+    with pytest.raises(ValueError, match="DSV4_MOE_FOLD_MAX_ROWS='lots': expected a number >= 0"):
+        rx._env_float("DSV4_MOE_FOLD_MAX_ROWS", 1.5)
