@@ -75,48 +75,40 @@ SWIGLU_ROUTE_LIST_MIN_ROUTES = 12
 # outputs differ (per-block body: 0.024 / 0.018 / 0.021 %), Pro-TP8 0.000 / 0.010 / 0.011 %
 # (0.000 / 0.003 / 0.003 %), all at most 1 ulp (the layer tolerance: 10 %, 8 ulp). The extra
 # layer differences are FP8 codes of the SwiGLU-quant output that flip when a gate_up sum
-# moves by an ulp. Not yet measured, so not folded: the 32-row swap configs (T ~ 1024), where
-# offline sm_90a compiles (session 15) count 216 -> 128 registers (2 -> 4 programs per SM) and
-# 533 -> 431 SASS per 128-k step for gate_up (Flash and Pro-TP8), 253 -> 165 registers and
-# 1014 -> 815 for the unrolled Flash down; and the tile configs (see GemmConfig.fold_sa).
-# scripts/gpu_probe_foldsa.py --ts 256,1024,4096 measures them against the per-block body.
+# moves by an ulp.
+# Beyond decode (session 16, probe_foldsa_3a21113.txt, same method, per-block -> folded, us):
+# the 16-row swap GEMMs Flash T=256 gate_up 850.8 -> 755.1, down 410.6 -> 384.8; Pro-TP8
+# T=256 412.3 -> 374.9 / 289.0 -> 271.6, T=1024 586.3 -> 536.6 / 426.0 -> 352.6; the tile
+# (prefill) GEMMs Flash T=4096 3814.6 -> 3452.7 / 1798.4 -> 1759.8, T=8192 6539.1 -> 6011.7 /
+# 3160.1 -> 3088.3, Pro-TP8 T=8192 2397.0 -> 2087.0 / 1632.8 -> 1624.5; 0.000-0.012 % of
+# outputs differ from the per-block body. So every 16-row swap and tile config folds. The
+# 32-row swap configs were faster still (Flash T=1024 gate_up 1241.3 -> 899.7, Pro-TP8 T=4096
+# 1289.5 -> 976.4 / 1113.4 -> 800.5) but their folded gate_up differed from the per-block
+# body in 0.47-0.55 % of its outputs and raised the layer's relative error vs the reference
+# from 9e-5 to 5.9e-3 (Flash-TP8 T=1024) / 4.5e-3 (Pro-TP8 T=4096): they stay unfolded
+# (scripts/gpu_probe_fold32.py locates it); DSV4_MOE_FOLD_SWAP32=1 folds them, for that probe.
 FOLD_ACT_SCALE = os.environ.get("DSV4_MOE_FOLD_ACT_SCALE", "1").strip() not in ("0", "", "false", "off")
 
 
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        v = float(raw)
-    except ValueError:
-        v = float("nan")
-    if not v >= 0:
-        raise ValueError(f"{name}={raw!r}: expected a number >= 0")
-    return v
-
-
-# Routes per local expert up to which the swap / tile GEMMs fold (measured: the 16-row swap
-# configs, <= 1.5). DSV4_MOE_FOLD_MAX_ROWS raises it for measurements (e.g. 1e9: every swap
-# and tile config, the 32-row and prefill ones not yet timed on the GPU).
-FOLD_MAX_ROWS = _env_float("DSV4_MOE_FOLD_MAX_ROWS", 1.5)
+FOLD_SWAP32 = os.environ.get("DSV4_MOE_FOLD_SWAP32", "0").strip() not in ("0", "", "false", "off")
 
 
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
     """(gate_up config, down config); both share BLOCK_M because they share one alignment."""
     return _routed_configs(num_routes, routed.num_local, routed.intermediate, routed.hidden, routed.layout,
-                           FOLD_ACT_SCALE, FOLD_MAX_ROWS)
+                           FOLD_ACT_SCALE, FOLD_SWAP32)
 
 
 @functools.lru_cache(maxsize=4096)
 def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str, fold: bool,
-                    fold_max_rows: float) -> tuple[GemmConfig, GemmConfig]:
+                    fold_swap32: bool) -> tuple[GemmConfig, GemmConfig]:
     """routed_configs on the shapes and the module switches it reads (memoised: an eager
     forward asks twice, ~70 us of host time each on the H200's host before)."""
     up, down = _base_configs(num_routes, num_local, i, h, layout)
     rows = num_routes / max(num_local, 1)
-    if fold and layout == "mma64" and rows <= fold_max_rows:
-        up, down = _fold(up, h), _fold(down, i, skip=i <= 1024 and rows < 0.05)
+    if fold and layout == "mma64":
+        up = _fold(up, h, fold_swap32)
+        down = _fold(down, i, fold_swap32, skip=i <= 1024 and rows < 0.05)
     return up, down
 
 
@@ -208,10 +200,10 @@ def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str) 
     return up, down
 
 
-def _fold(cfg: GemmConfig, k: int, skip: bool = False) -> GemmConfig:
+def _fold(cfg: GemmConfig, k: int, swap32: bool, skip: bool = False) -> GemmConfig:
     """cfg with the activation scale folded into the operand (swap and tile bodies, whole
-    128-blocks), unless `skip`."""
-    if skip or cfg.kind == "gemv" or k % 128:
+    128-blocks; the 32-row swap only with `swap32`), unless `skip`."""
+    if skip or cfg.kind == "gemv" or k % 128 or (cfg.kind == "swap" and cfg.block_m == 32 and not swap32):
         return cfg
     return dataclasses.replace(cfg, fold_sa=True)
 

@@ -641,8 +641,8 @@ def test_fold_sa_vs_reference(kind, a_bf16, split):
 
 def test_fold_sa_guards_and_routed_configs():
     """fold_sa needs the swap body and the right pairs; routed_configs folds the 16-row swap
-    GEMMs of the mma64 layout at decode (<= FOLD_MAX_ROWS rows per expert), not the short-K
-    down below 0.05 rows per expert (measured slower), and not at prefill."""
+    and tile GEMMs of the mma64 layout at every T, not the short-K down below 0.05 rows per
+    expert (measured slower) and not the 32-row swap GEMMs (FOLD_SWAP32 off)."""
     from dsv4_moe.kernels import routed_experts as rx
     from dsv4_moe.kernels.act_quant import act_quant
     from dsv4_moe.weights.tensors import RoutedExpertWeights
@@ -669,8 +669,10 @@ def test_fold_sa_guards_and_routed_configs():
                                    0, e, "mma64")
     flash, pro = routed(256, 4096, 2048), routed(384, 7168, 384)
     for r, t, up_fold, down_fold in ((flash, 1, True, True), (flash, 16, True, True), (flash, 64, True, True),
-                                     (flash, 256, False, False), (pro, 1, True, False), (pro, 4, True, True),
-                                     (pro, 64, True, True), (pro, 1024, False, False)):
+                                     (flash, 256, True, True), (flash, 1024, False, False),
+                                     (flash, 8192, True, True), (pro, 1, True, False), (pro, 4, True, True),
+                                     (pro, 64, True, True), (pro, 1024, True, True), (pro, 4096, False, False),
+                                     (pro, 8192, True, True)):
         up, down = rx.routed_configs(t * 6, r)
         assert (up.fold_sa, down.fold_sa) == (up_fold, down_fold), (r.hidden, t, up, down)
         assert rx.pairs_mode(up) == (("scaled" if up.fold_sa else True) if up.a_bf16 else False)
@@ -692,21 +694,19 @@ def test_fold_switch_reaches_memoised_configs(monkeypatch):
     assert not any(c.fold_sa for c in rx.routed_configs(96, r))
 
 
-def test_fold_max_rows_env_widens_the_fold(monkeypatch):
-    """DSV4_MOE_FOLD_MAX_ROWS (module FOLD_MAX_ROWS) widens the fold to the 32-row swap and
-    the tile configs for measurements; a bad value is named."""
+def test_fold_swap32_switch(monkeypatch):
+    """FOLD_SWAP32 (DSV4_MOE_FOLD_SWAP32=1) folds the 32-row swap configs too (off by default:
+    their folded gate_up differs from the per-block body in ~0.5 % of its outputs, session 16),
+    and the module switch reaches the memoised configs."""
     from dsv4_moe.kernels import routed_experts as rx
     from dsv4_moe.weights.tensors import RoutedExpertWeights
 
     u8, e8 = torch.empty(1, dtype=torch.uint8), torch.empty(1, dtype=torch.float8_e8m0fnu)
     r = RoutedExpertWeights(u8.expand(256, 4096, 2048), e8.expand(256, 4096, 128), u8.expand(256, 4096, 1024),
                             e8.expand(256, 4096, 64), 0, 256, "mma64")
-    assert not any(c.fold_sa for c in rx.routed_configs(8192 * 6, r))
-    monkeypatch.setattr(rx, "FOLD_MAX_ROWS", float("inf"))
-    for t in (1024, 8192):
-        up, down = rx.routed_configs(t * 6, r)
-        assert up.fold_sa and down.fold_sa, (t, up, down)
-        assert rx.pairs_mode(up) == ("scaled" if up.a_bf16 else False)
-    monkeypatch.setenv("DSV4_MOE_FOLD_MAX_ROWS", "lots")
-    with pytest.raises(ValueError, match="DSV4_MOE_FOLD_MAX_ROWS='lots': expected a number >= 0"):
-        rx._env_float("DSV4_MOE_FOLD_MAX_ROWS", 1.5)
+    up, down = rx.routed_configs(1024 * 6, r)
+    assert (up.kind, up.block_m, up.fold_sa, down.fold_sa) == ("swap", 32, False, False)
+    assert rx.pairs_mode(up) is True
+    monkeypatch.setattr(rx, "FOLD_SWAP32", True)
+    up, down = rx.routed_configs(1024 * 6, r)
+    assert up.fold_sa and down.fold_sa and rx.pairs_mode(up) == "scaled"
