@@ -19,7 +19,7 @@ from dsv4_moe.kernels.moe_align import moe_align
 from dsv4_moe.kernels.mxfp4_grouped_gemm import GemmConfig, mxfp4_grouped_gemm
 from dsv4_moe.kernels.router import route_topk
 from dsv4_moe.testing import random_layer_weights
-from weights.formats import e2m1_codes_to_float, e8m0_to_float32, unpack_e2m1
+from dsv4_moe.weights.formats import e2m1_codes_to_float, e8m0_to_float32, unpack_e2m1
 
 
 def exact_gate_up(x_q, x_sa, ids, routed, k):
