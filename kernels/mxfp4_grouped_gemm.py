@@ -81,12 +81,14 @@ class GemmConfig:
     # sa), exact for power-of-two scales; with a_bf16 the caller hands "scaled pairs",
     # act_quant / swiglu_quant pairs="scaled"), so the K loop accumulates in the MMA chain: no
     # per-block `acc += part * sa`, no wait on each block's MMA, no scale loads (see the swap
-    # kernel). routed_experts.routed_configs turns it on where the H200 measured a gain
-    # (session 15: the 16-row swap GEMMs at decode). NOTE: the tile body's fold is built and
-    # tested on the CPU but not measured on the GPU, so no config selects it yet; offline
-    # sm_90a compiles (session 15) count the prefill loops 528 -> 447 SASS per 128-k step
-    # (Flash gate_up at T = 8192, 168-register cap, its 92-byte spill gone) and 539 -> 465
-    # (Flash down, 176 -> 162 registers), Pro-TP8 down (fp8 operand) level (775 -> 772).
+    # kernel). routed_experts.routed_configs turns it on for every swap and tile config of the
+    # mma64 layout (H200, sessions 15-16: 1.005-1.39x). NOTE (session 16, scripts/
+    # gpu_probe_fold32.py): the 32-row swap body folded at 3 or 4 pipeline stages, unroll 1,
+    # gives wrong and run-to-run different outputs on the H200 (Triton 3.6; up to 2.4e6 ulps in
+    # 0.1-0.6 % of the outputs; the 16-row body at 4 stages, the tile body and the 32-row body
+    # at 2 stages, unrolled or on the fp8 operand are exact and deterministic), so
+    # routed_configs folds the 32-row swap only at 2 stages. Root cause not found: the TTGIR
+    # and SASS show the second MMA's operand buffer refilled only after the wait that covers it.
     fold_sa: bool = False
 
     def __post_init__(self) -> None:

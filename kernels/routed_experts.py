@@ -82,15 +82,19 @@ SWIGLU_ROUTE_LIST_MIN_ROUTES = 12
 # (prefill) GEMMs Flash T=4096 3814.6 -> 3452.7 / 1798.4 -> 1759.8, T=8192 6539.1 -> 6011.7 /
 # 3160.1 -> 3088.3, Pro-TP8 T=8192 2397.0 -> 2087.0 / 1632.8 -> 1624.5; 0.000-0.012 % of
 # outputs differ from the per-block body. So every 16-row swap and tile config folds. The
-# 32-row swap configs were faster still (Flash T=1024 gate_up 1241.3 -> 899.7, Pro-TP8 T=4096
-# 1289.5 -> 976.4 / 1113.4 -> 800.5) but their folded gate_up differed from the per-block
-# body in 0.47-0.55 % of its outputs and raised the layer's relative error vs the reference
-# from 9e-5 to 5.9e-3 (Flash-TP8 T=1024) / 4.5e-3 (Pro-TP8 T=4096): they stay unfolded
-# (scripts/gpu_probe_fold32.py locates it); DSV4_MOE_FOLD_SWAP32=1 folds them, for that probe.
+# 32-row swap configs gained most (Flash T=1024 gate_up 1241.3 -> 899.7, Pro-TP8 T=4096
+# 1289.5 -> 976.4 / 1113.4 -> 800.5) but the folded 32-row gate_up (3 pipeline stages, unroll
+# 1) is wrong on the H200: outputs that change from run to run, up to 2.4e6 ulps off in 0.1-
+# 0.6 % of them, the layer's relative error 5.9e-3 instead of 9e-5 (probe_fold32_2368def.txt:
+# 0/10 reruns bitwise; the same at 4 stages). At 2 stages it is exact and deterministic (10/10
+# reruns, bitwise the folded 16-row body) and still fast: Flash T=1024 gate_up 1242.4 ->
+# 1014.5, Pro-TP8 T=4096 1294.3 -> 1078.2. So a folded 32-row swap config runs 2 stages
+# (gpu_probe_fold32.py --gemm down measures the down GEMMs); DSV4_MOE_FOLD_SWAP32=0 keeps
+# the 32-row swap unfolded.
 FOLD_ACT_SCALE = os.environ.get("DSV4_MOE_FOLD_ACT_SCALE", "1").strip() not in ("0", "", "false", "off")
 
 
-FOLD_SWAP32 = os.environ.get("DSV4_MOE_FOLD_SWAP32", "0").strip() not in ("0", "", "false", "off")
+FOLD_SWAP32 = os.environ.get("DSV4_MOE_FOLD_SWAP32", "1").strip() not in ("0", "", "false", "off")
 
 
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
@@ -200,12 +204,14 @@ def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str) 
     return up, down
 
 
-def _fold(cfg: GemmConfig, k: int, swap32: bool, skip: bool = False) -> GemmConfig:
+def _fold(cfg: GemmConfig, k: int, fold_swap32: bool, skip: bool = False) -> GemmConfig:
     """cfg with the activation scale folded into the operand (swap and tile bodies, whole
-    128-blocks; the 32-row swap only with `swap32`), unless `skip`."""
-    if skip or cfg.kind == "gemv" or k % 128 or (cfg.kind == "swap" and cfg.block_m == 32 and not swap32):
+    128-blocks; the 32-row swap only with `fold_swap32`, and then at 2 pipeline stages: deeper
+    pipelines race, see above), unless `skip`."""
+    swap32 = cfg.kind == "swap" and cfg.block_m >= 32
+    if skip or cfg.kind == "gemv" or k % 128 or (swap32 and not fold_swap32):
         return cfg
-    return dataclasses.replace(cfg, fold_sa=True)
+    return dataclasses.replace(cfg, fold_sa=True, num_stages=min(cfg.num_stages, 2) if swap32 else cfg.num_stages)
 
 
 def pairs_mode(cfg: GemmConfig) -> "bool | str":

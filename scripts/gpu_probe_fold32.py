@@ -6,8 +6,7 @@ relative error at 5.9e-3 instead of 9e-5 (docs/bench/2026-11-29/session16/); thi
 says where: which rows, columns and experts, how far from the exact value (bf16 ulps),
 whether a rerun gives the same bytes, and whether other pipeline depths / unrolls change it.
 
-    OUT=./out python3 scripts/gpu_probe_fold32.py [--seeds 1,2] [--reruns 10] [--time]
-    compute-sanitizer --tool racecheck python3 scripts/gpu_probe_fold32.py --sanitize
+    OUT=./out python3 scripts/gpu_probe_fold32.py [--gemm gate_up|down] [--seeds 1,2] [--reruns 10] [--time]
 
 First run (8d08a02, probe_fold32_8d08a02.txt): the folded 32-row gate_up at 3 and 4 pipeline
 stages is wrong (up to 4.7e5 ulps, 0.1-0.5 % of outputs > 1 ulp), at 2 stages, unrolled twice
@@ -23,7 +22,7 @@ from dsv4_moe import DeepseekV4MoE, MoEConfig
 from dsv4_moe.bench.timing import time_sets
 from dsv4_moe.kernels.act_quant import act_quant
 from dsv4_moe.kernels.moe_align import moe_align
-from dsv4_moe.kernels.mxfp4_grouped_gemm import GemmConfig, mxfp4_grouped_gemm
+from dsv4_moe.kernels.mxfp4_grouped_gemm import GemmConfig, bf16_pairs, mxfp4_grouped_gemm
 from dsv4_moe.kernels.router import route_topk
 from dsv4_moe.testing import random_layer_weights
 from dsv4_moe.weights.formats import e2m1_codes_to_float, e8m0_to_float32, unpack_e2m1
@@ -48,6 +47,33 @@ def exact_gate_up(x_q, x_sa, ids, routed, k):
     return out
 
 
+def exact_down(h_q, h_s, ids, routed):
+    """fp64 value of every route's down row from its quantised SwiGLU output (h_q, h_s) [R, I]:
+    [R, H] float64 (rows of non-local routes 0)."""
+    nk = routed.with_layout("nk")
+    hd = h_q.double() * h_s.double().repeat_interleave(128, dim=1)[:, :h_q.shape[1]]
+    out = torch.zeros(h_q.shape[0], nk.down.shape[1], dtype=torch.float64, device=h_q.device)
+    flat = ids.reshape(-1)
+    for e in torch.unique(flat).tolist():
+        el = e - routed.first_expert
+        if not 0 <= el < routed.num_local:
+            continue
+        r = torch.nonzero(flat == e).squeeze(1)
+        w = e2m1_codes_to_float(unpack_e2m1(nk.down[el])).double()
+        w = w * e8m0_to_float32(nk.down_scale[el]).double().repeat_interleave(32, dim=1)
+        out[r] = hd[r] @ w.T
+    return out
+
+
+def aligned_rows(x_route, align):
+    """Per-route rows [R, ...] -> the alignment's row order [max_rows, ...] (padding rows 0)."""
+    sid = align.sorted_route_ids.long()
+    ok = sid < align.num_routes
+    res = torch.zeros(sid.shape[0], *x_route.shape[1:], dtype=x_route.dtype, device=x_route.device)
+    res[ok] = x_route[sid[ok]]
+    return res
+
+
 def by_route(out, align):
     """Aligned gate_up rows -> [R, N] in route order."""
     sid = align.sorted_route_ids.long()
@@ -63,8 +89,19 @@ def ulps(v, ref):
     return (v.double() - ref).abs() / spacing
 
 
-def variants():
+def variants(gemm="gate_up"):
     base32 = GemmConfig(32, 128, 4, 3, kind="swap", asm=True, a_bf16=True)
+    if gemm == "down":
+        u2 = dataclasses.replace(base32, unroll=2)
+        return {
+            "per-block 32 unroll 2": u2,
+            "fold 32 unroll 2": dataclasses.replace(u2, fold_sa=True),
+            "fold 32 stages 2 unroll 2": dataclasses.replace(u2, fold_sa=True, num_stages=2),
+            "fold 32 stages 2": dataclasses.replace(base32, fold_sa=True, num_stages=2),
+            "fold 32": dataclasses.replace(base32, fold_sa=True),
+            "per-block 16": GemmConfig(16, 128, 4, 4, kind="swap", asm=True, a_bf16=True),
+            "fold 16": GemmConfig(16, 128, 4, 4, kind="swap", asm=True, a_bf16=True, fold_sa=True),
+        }
     return {
         "per-block 32": base32,
         "fold 32": dataclasses.replace(base32, fold_sa=True),
@@ -87,11 +124,10 @@ def cases():
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--gemm", choices=("gate_up", "down"), default="gate_up")
     ap.add_argument("--seeds", default="1,2")
     ap.add_argument("--reruns", type=int, default=10)
     ap.add_argument("--time", action="store_true", help="also time each variant (CUDA graphs)")
-    ap.add_argument("--sanitize", action="store_true",
-                    help="one small launch per variant (Flash T=64), for compute-sanitizer")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", "./out")
     lines = []
@@ -99,24 +135,6 @@ def main():
     def say(s):
         print(s, flush=True)
         lines.append(s)
-
-    if args.sanitize:
-        name, cfg, _ = cases()[0]
-        layer = DeepseekV4MoE(cfg, random_layer_weights(cfg, layer_idx=5, seed=0, device="cuda"))
-        r = layer.routed
-        x = torch.randn(64, cfg.hidden_size, device="cuda").bfloat16()
-        w, ids = route_topk(x, layer.router.weight, layer.router.bias, None, None, 6, cfg.routed_scaling_factor)
-        q, sa, qp = act_quant(x, pairs=True)
-        qps = act_quant(x, pairs="scaled")[2]
-        for label in ("fold 32", "fold 32 stages 2", "fold 16", "per-block 32"):
-            c = variants()[label]
-            align = moe_align(ids, r.num_local, r.first_expert, c.block_m, w)
-            kw = dict(a_pairs=qps, a_pairs_scaled=True) if c.fold_sa else dict(a_pairs=qp)
-            print(f"=== sanitize {label}", flush=True)
-            mxfp4_grouped_gemm(q, sa, r.gate_up, r.gate_up_scale, align, gather_a=True, scatter_out=False,
-                               config=c, layout=r.layout, **kw)
-            torch.cuda.synchronize()
-        return
 
     for name, cfg, t in cases():
         layer = DeepseekV4MoE(cfg, random_layer_weights(cfg, layer_idx=5, seed=0, device="cuda"))
@@ -128,19 +146,34 @@ def main():
             w, ids = route_topk(x, layer.router.weight, layer.router.bias, None, None, k, cfg.routed_scaling_factor)
             q, sa, qp = act_quant(x, pairs=True)
             qps = act_quant(x, pairs="scaled")[2]
-            ref = exact_gate_up(q, sa, ids, r, k)
+            if args.gemm == "down":  # one quantised SwiGLU output per route, placed per alignment
+                h_q, h_s = act_quant((torch.randn(t * k, r.intermediate, device="cuda") * 2).bfloat16())
+                ref = exact_down(h_q, h_s, ids, r)
+            else:
+                ref = exact_gate_up(q, sa, ids, r, k)
             outs = {}
-            for label, c in variants().items():
+            for label, c in variants(args.gemm).items():
                 align = moe_align(ids, r.num_local, r.first_expert, c.block_m, w)
-                kw = {}
-                if c.a_bf16:
-                    kw = dict(a_pairs=qps, a_pairs_scaled=True) if c.fold_sa else dict(a_pairs=qp)
+                if args.gemm == "down":
+                    aq, asa = aligned_rows(h_q, align), aligned_rows(h_s, align)
+                    ap_ = bf16_pairs(aq, asa if c.fold_sa else None)
+                    kw = dict(a_pairs=ap_, a_pairs_scaled=c.fold_sa) if c.a_bf16 else {}
 
-                def call():
-                    return mxfp4_grouped_gemm(q, sa, r.gate_up, r.gate_up_scale, align, gather_a=True,
-                                              scatter_out=False, config=c, layout=r.layout, **kw)
-                ob = by_route(call(), align)
-                same = sum(torch.equal(by_route(call(), align), ob) for _ in range(args.reruns))
+                    def call():
+                        return mxfp4_grouped_gemm(aq, asa, r.down, r.down_scale, align, gather_a=False,
+                                                  scatter_out=True, config=c, layout=r.layout, **kw)
+                    ob_fn = lambda o: o  # noqa: E731  (scattered: already in route order)
+                else:
+                    kw = {}
+                    if c.a_bf16:
+                        kw = dict(a_pairs=qps, a_pairs_scaled=True) if c.fold_sa else dict(a_pairs=qp)
+
+                    def call():
+                        return mxfp4_grouped_gemm(q, sa, r.gate_up, r.gate_up_scale, align, gather_a=True,
+                                                  scatter_out=False, config=c, layout=r.layout, **kw)
+                    ob_fn = lambda o, a=align: by_route(o, a)  # noqa: E731
+                ob = ob_fn(call())
+                same = sum(torch.equal(ob_fn(call()), ob) for _ in range(args.reruns))
                 outs[label] = ob
                 u = ulps(ob, ref)
                 flat_u = u.reshape(-1)
@@ -148,7 +181,7 @@ def main():
                 timing = ""
                 if args.time and seed == int(args.seeds.split(",")[0]):
                     timing = f"; {time_sets([call], device='cuda').median_us:.1f} us"
-                say(f"{name} T={t} seed {seed} gate_up {label}: reruns bitwise {same}/{args.reruns}; ulps vs "
+                say(f"{name} T={t} seed {seed} {args.gemm} {label}: reruns bitwise {same}/{args.reruns}; ulps vs "
                     f"fp64: max {flat_u.max().item():.2f}, > 1 ulp {bad.double().mean().item():.4%}, > 0.5 ulp "
                     f"{(u > 0.5).double().mean().item():.4%}{timing}")
                 if bad.double().mean().item() > 1e-4:
@@ -167,7 +200,7 @@ def main():
         del layer
         torch.cuda.empty_cache()
     os.makedirs(out_dir, exist_ok=True)
-    open(os.path.join(out_dir, "probe_fold32.txt"), "w").write("\n".join(lines) + "\n")
+    open(os.path.join(out_dir, f"probe_fold32_{args.gemm}.txt"), "w").write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

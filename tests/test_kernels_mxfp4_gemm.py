@@ -641,8 +641,8 @@ def test_fold_sa_vs_reference(kind, a_bf16, split):
 
 def test_fold_sa_guards_and_routed_configs():
     """fold_sa needs the swap body and the right pairs; routed_configs folds the 16-row swap
-    and tile GEMMs of the mma64 layout at every T, not the short-K down below 0.05 rows per
-    expert (measured slower) and not the 32-row swap GEMMs (FOLD_SWAP32 off)."""
+    and tile GEMMs of the mma64 layout at every T (the 32-row swap ones at 2 pipeline stages),
+    not the short-K down below 0.05 rows per expert (measured slower)."""
     from dsv4_moe.kernels import routed_experts as rx
     from dsv4_moe.kernels.act_quant import act_quant
     from dsv4_moe.weights.tensors import RoutedExpertWeights
@@ -669,13 +669,16 @@ def test_fold_sa_guards_and_routed_configs():
                                    0, e, "mma64")
     flash, pro = routed(256, 4096, 2048), routed(384, 7168, 384)
     for r, t, up_fold, down_fold in ((flash, 1, True, True), (flash, 16, True, True), (flash, 64, True, True),
-                                     (flash, 256, True, True), (flash, 1024, False, False),
+                                     (flash, 256, True, True), (flash, 1024, True, True),
                                      (flash, 8192, True, True), (pro, 1, True, False), (pro, 4, True, True),
-                                     (pro, 64, True, True), (pro, 1024, True, True), (pro, 4096, False, False),
+                                     (pro, 64, True, True), (pro, 1024, True, True), (pro, 4096, True, True),
                                      (pro, 8192, True, True)):
         up, down = rx.routed_configs(t * 6, r)
         assert (up.fold_sa, down.fold_sa) == (up_fold, down_fold), (r.hidden, t, up, down)
         assert rx.pairs_mode(up) == (("scaled" if up.fold_sa else True) if up.a_bf16 else False)
+        for c in (up, down):
+            if c.kind == "swap" and c.block_m == 32:
+                assert c.num_stages == 2, (r.hidden, t, c)  # 3-4 stages race when folded (session 16)
     nk = dataclasses.replace(flash, layout="nk")
     assert not any(c.fold_sa for c in rx.routed_configs(16 * 6, nk))
 
@@ -695,9 +698,9 @@ def test_fold_switch_reaches_memoised_configs(monkeypatch):
 
 
 def test_fold_swap32_switch(monkeypatch):
-    """FOLD_SWAP32 (DSV4_MOE_FOLD_SWAP32=1) folds the 32-row swap configs too (off by default:
-    their folded gate_up differs from the per-block body in ~0.5 % of its outputs, session 16),
-    and the module switch reaches the memoised configs."""
+    """FOLD_SWAP32 (DSV4_MOE_FOLD_SWAP32=0 turns it off) decides whether the 32-row swap configs
+    fold (then at 2 pipeline stages: 3-4 stages race on the H200, session 16); the module
+    switch reaches the memoised configs."""
     from dsv4_moe.kernels import routed_experts as rx
     from dsv4_moe.weights.tensors import RoutedExpertWeights
 
@@ -705,8 +708,10 @@ def test_fold_swap32_switch(monkeypatch):
     r = RoutedExpertWeights(u8.expand(256, 4096, 2048), e8.expand(256, 4096, 128), u8.expand(256, 4096, 1024),
                             e8.expand(256, 4096, 64), 0, 256, "mma64")
     up, down = rx.routed_configs(1024 * 6, r)
-    assert (up.kind, up.block_m, up.fold_sa, down.fold_sa) == ("swap", 32, False, False)
-    assert rx.pairs_mode(up) is True
-    monkeypatch.setattr(rx, "FOLD_SWAP32", True)
+    assert (up.kind, up.block_m, up.fold_sa, down.fold_sa, up.num_stages, down.num_stages) == \
+        ("swap", 32, True, True, 2, 2)
+    assert rx.pairs_mode(up) == "scaled"
+    monkeypatch.setattr(rx, "FOLD_SWAP32", False)
     up, down = rx.routed_configs(1024 * 6, r)
-    assert up.fold_sa and down.fold_sa and rx.pairs_mode(up) == "scaled"
+    assert (up.fold_sa, down.fold_sa, up.num_stages) == (False, False, 3)
+    assert rx.pairs_mode(up) is True
