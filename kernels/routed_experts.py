@@ -68,7 +68,7 @@ SWIGLU_ROUTE_LIST_MIN_ROUTES = 12
 # Pro-TP8 down T=4 20.7 -> 18.0, T=16 67.7 -> 59.3, T=64 188.1 -> 163.7, but T=1 6.7 -> 7.5
 # (kept unfolded below 0.05 rows per expert). The sm_90a loop: 484 -> 425 SASS
 # instructions per 128-k step (Flash gate_up, T = 16), 128 registers without a spill. Probed
-# up to 1.5 rows per expert (T = 64); larger T keep the per-block body until measured. Second
+# up to 1.5 rows per expert (T = 64), the range folded in session 15 (larger T: below). Second
 # run with the landed code (probe_foldsa_bd8cf7f.txt): 1.03-1.24x on every 16-row GEMM, 0.000-
 # 0.015 % of GEMM outputs differ from the per-block body (1 ulp); the layer against the CPU
 # reference (gpu_check_layer_quick_bd8cf7f.txt): Flash T=1/4/16 0.049 / 0.104 / 0.369 % of
@@ -88,9 +88,13 @@ SWIGLU_ROUTE_LIST_MIN_ROUTES = 12
 # 0.6 % of them, the layer's relative error 5.9e-3 instead of 9e-5 (probe_fold32_2368def.txt:
 # 0/10 reruns bitwise; the same at 4 stages). At 2 stages it is exact and deterministic (10/10
 # reruns, bitwise the folded 16-row body) and still fast: Flash T=1024 gate_up 1242.4 ->
-# 1014.5, Pro-TP8 T=4096 1294.3 -> 1078.2. So a folded 32-row swap config runs 2 stages
-# (gpu_probe_fold32.py --gemm down measures the down GEMMs); DSV4_MOE_FOLD_SWAP32=0 keeps
-# the 32-row swap unfolded.
+# 1014.5, Pro-TP8 T=4096 1294.3 -> 1078.2. The down GEMMs (probe_fold32_down_50c338f.txt,
+# their configs unroll the K loop twice): 3 stages unroll 1 races on Flash too (0/10 reruns),
+# 2 stages unroll 2 is exact: Flash T=1024 610.8 -> 549.1, Pro-TP8 T=4096 1091.8 -> 796.9.
+# So a folded 32-row swap config runs 2 stages; the layer (bench_swap32_ab_50c338f.txt, fold
+# of the 32-row configs on / off, us): Flash T=1024 1843.1 / 2046.4, Pro-TP8 T=2048 1378.3 /
+# 1673.7, T=4096 2346.8 / 2879.9, level elsewhere. DSV4_MOE_FOLD_SWAP32=0 keeps the 32-row
+# swap unfolded.
 FOLD_ACT_SCALE = os.environ.get("DSV4_MOE_FOLD_ACT_SCALE", "1").strip() not in ("0", "", "false", "off")
 
 
