@@ -28,41 +28,38 @@ from dsv4_moe.testing import random_layer_weights
 from dsv4_moe.weights.formats import e2m1_codes_to_float, e8m0_to_float32, unpack_e2m1
 
 
-def exact_gate_up(x_q, x_sa, ids, routed, k):
-    """fp64 value of every route's gate_up row (x dequantised exactly, W dequantised exactly):
-    [R, N] float64, route r = token r // k, slot r % k."""
+def _exact(xd, route_rows, ids, routed, which):
+    """fp64 [R, N]: route r's row xd[route_rows[r]] times its expert's `which` ("gate_up" or
+    "down") weight, both dequantised exactly (rows of non-local routes 0)."""
     nk = routed.with_layout("nk")
-    t = x_q.shape[0]
-    xd = x_q.double() * x_sa.double().repeat_interleave(128, dim=1)[:, :x_q.shape[1]]
-    out = torch.zeros(t * k, nk.gate_up.shape[1], dtype=torch.float64, device=x_q.device)
+    w4, sw = getattr(nk, which), getattr(nk, which + "_scale")
     flat = ids.reshape(-1)
+    out = torch.zeros(flat.numel(), w4.shape[1], dtype=torch.float64, device=xd.device)
     for e in torch.unique(flat).tolist():
         el = e - routed.first_expert
         if not 0 <= el < routed.num_local:
             continue
         r = torch.nonzero(flat == e).squeeze(1)
-        w = e2m1_codes_to_float(unpack_e2m1(nk.gate_up[el])).double()
-        w = w * e8m0_to_float32(nk.gate_up_scale[el]).double().repeat_interleave(32, dim=1)
-        out[r] = xd[r // k] @ w.T
+        w = e2m1_codes_to_float(unpack_e2m1(w4[el])).double()
+        w = w * e8m0_to_float32(sw[el]).double().repeat_interleave(32, dim=1)
+        out[r] = xd[route_rows[r]] @ w.T
     return out
+
+
+def _dequant_rows(q, s):
+    return q.double() * s.double().repeat_interleave(128, dim=1)[:, :q.shape[1]]
+
+
+def exact_gate_up(x_q, x_sa, ids, routed, k):
+    """fp64 value of every route's gate_up row (route r = token r // k, slot r % k): [R, 2I]."""
+    return _exact(_dequant_rows(x_q, x_sa), torch.arange(ids.numel(), device=ids.device) // k, ids, routed,
+                  "gate_up")
 
 
 def exact_down(h_q, h_s, ids, routed):
     """fp64 value of every route's down row from its quantised SwiGLU output (h_q, h_s) [R, I]:
-    [R, H] float64 (rows of non-local routes 0)."""
-    nk = routed.with_layout("nk")
-    hd = h_q.double() * h_s.double().repeat_interleave(128, dim=1)[:, :h_q.shape[1]]
-    out = torch.zeros(h_q.shape[0], nk.down.shape[1], dtype=torch.float64, device=h_q.device)
-    flat = ids.reshape(-1)
-    for e in torch.unique(flat).tolist():
-        el = e - routed.first_expert
-        if not 0 <= el < routed.num_local:
-            continue
-        r = torch.nonzero(flat == e).squeeze(1)
-        w = e2m1_codes_to_float(unpack_e2m1(nk.down[el])).double()
-        w = w * e8m0_to_float32(nk.down_scale[el]).double().repeat_interleave(32, dim=1)
-        out[r] = hd[r] @ w.T
-    return out
+    [R, H]."""
+    return _exact(_dequant_rows(h_q, h_s), torch.arange(ids.numel(), device=ids.device), ids, routed, "down")
 
 
 def aligned_rows(x_route, align):
