@@ -109,6 +109,12 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.unroll={self.unroll!r}: expected an int >= 1 (1 for kind 'tile')")
         if self.fold_sa and self.kind == "gemv":
             raise ValueError(f"GemmConfig.fold_sa=True needs kind 'swap' or 'tile', got kind={self.kind!r}")
+        if (self.fold_sa and self.a_bf16 and self.kind == "swap" and self.block_m >= 32 and self.num_stages >= 3
+                and self.unroll == 1):
+            raise ValueError(f"GemmConfig(kind='swap', block_m={self.block_m}, a_bf16=True, fold_sa=True, "
+                             f"num_stages={self.num_stages}, unroll=1): this body races on the H200 "
+                             f"(wrong, run-to-run different outputs; scripts/gpu_probe_fold32.py): "
+                             f"expected num_stages <= 2 or unroll >= 2")
         if not isinstance(self.split_k, int) or self.split_k < 1 or (self.split_k > 1 and self.kind == "tile"):
             raise ValueError(f"GemmConfig.split_k={self.split_k!r}: expected an int >= 1 (1 for kind 'tile')")
 

@@ -212,9 +212,15 @@ def _fold(cfg: GemmConfig, k: int, fold_swap32: bool, skip: bool = False) -> Gem
     """cfg with the activation scale folded into the operand (swap and tile bodies, whole
     128-blocks; the 32-row swap only with `fold_swap32`, and then at 2 pipeline stages: deeper
     pipelines race, see above), unless `skip`."""
-    swap32 = cfg.kind == "swap" and cfg.block_m >= 32
-    if skip or cfg.kind == "gemv" or k % 128 or (swap32 and not fold_swap32):
+    if skip or cfg.kind == "gemv" or k % 128 or (cfg.kind == "swap" and cfg.block_m >= 32 and not fold_swap32):
         return cfg
+    return fold_config(cfg)
+
+
+def fold_config(cfg: GemmConfig) -> GemmConfig:
+    """The folded twin of a swap / tile config (GemmConfig.fold_sa): the 32-row swap body at 2
+    pipeline stages, the only depth at which it is exact when folded (session 16)."""
+    swap32 = cfg.kind == "swap" and cfg.block_m >= 32
     return dataclasses.replace(cfg, fold_sa=True, num_stages=min(cfg.num_stages, 2) if swap32 else cfg.num_stages)
 
 

@@ -22,7 +22,7 @@ from dsv4_moe.bench.timing import time_sets  # noqa: E402
 from dsv4_moe.kernels.act_quant import act_quant  # noqa: E402
 from dsv4_moe.kernels.moe_align import moe_align  # noqa: E402
 from dsv4_moe.kernels.mxfp4_grouped_gemm import bf16_pairs, mxfp4_grouped_gemm  # noqa: E402
-from dsv4_moe.kernels.routed_experts import routed_configs  # noqa: E402
+from dsv4_moe.kernels.routed_experts import fold_config, routed_configs  # noqa: E402
 from dsv4_moe.kernels.router import route_topk  # noqa: E402
 from dsv4_moe.testing import random_layer_weights  # noqa: E402
 
@@ -70,7 +70,7 @@ def main():
                     lines.append(f"{name} T={t} {gemm}: kind gemv, skipped")
                     continue
                 res = {}
-                cfgs_ab = {f: dataclasses.replace(cfg_g, fold_sa=f) for f in (False, True)}
+                cfgs_ab = {False: dataclasses.replace(cfg_g, fold_sa=False), True: fold_config(cfg_g)}
                 for fold in (False, True, False, True):
                     res.setdefault(fold, []).append(graph_us(lambda: call(cfgs_ab[fold])))
                 a_out, b_out = call(cfgs_ab[False]).float(), call(cfgs_ab[True]).float()

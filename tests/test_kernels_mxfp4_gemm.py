@@ -649,6 +649,15 @@ def test_fold_sa_guards_and_routed_configs():
 
     with pytest.raises(ValueError, match="fold_sa=True needs kind 'swap' or 'tile'"):
         GemmConfig(1, 64, kind="gemv", fold_sa=True)
+    with pytest.raises(ValueError, match=r"num_stages=3, unroll=1\): this body races on the H200"):
+        GemmConfig(32, 128, 4, 3, kind="swap", a_bf16=True, fold_sa=True)
+    # measured exact and deterministic on the H200, so accepted: 2 stages, unrolled, 16 rows
+    GemmConfig(32, 128, 4, 2, kind="swap", a_bf16=True, fold_sa=True)
+    GemmConfig(32, 128, 4, 3, kind="swap", a_bf16=True, fold_sa=True, unroll=2)
+    GemmConfig(16, 128, 4, 4, kind="swap", a_bf16=True, fold_sa=True)
+    assert rx.fold_config(GemmConfig(32, 128, 4, 3, kind="swap", a_bf16=True)) == \
+        GemmConfig(32, 128, 4, 2, kind="swap", a_bf16=True, fold_sa=True)
+    assert rx.fold_config(GemmConfig(64, 128, 4, 3, a_bf16=True)) == GemmConfig(64, 128, 4, 3, a_bf16=True, fold_sa=True)
     g = torch.Generator().manual_seed(5)
     w, s = _weights(4, 128, 256, g)
     q, sa, p = act_quant(torch.randn(2, 256, generator=g).bfloat16(), pairs=True)
