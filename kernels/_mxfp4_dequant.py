@@ -6,6 +6,7 @@ e8m0 scales -> exact bf16 weights, and the "mma64" weight-tile loads.
                          tiles e2m1 * 2^(s-127) (what the interpreter runs)
     _dequant_w_asm       the same values as bf16 by inline PTX (GPU only), any layout
     _dequant_w_swz_asm   the same values, cheaper PTX (used with "mma64" weights)
+    _dequant_w_swz_asm_half  one of its two tiles (the folded swap body, one at a time)
     _mma64_tile_ptrs     pointers to a program's 64-row tiles of one 128-block ("mma64")
     _mma64_unswizzle     stored "mma64" bytes -> the [BLOCK_N, 64] packed tile
 
@@ -118,33 +119,26 @@ def _dequant_w_asm(packed, sb4, BLOCK_N: tl.constexpr):
 # 2^(s-1) is e2m1 * 2^(s-127) exactly, the same values as _E2M1X4_TO_BF16_ASM
 # (bit-checked for every byte and scale bytes 0, 1, 100, 127, 128 by
 # tests/test_kernels_mxfp4_gemm.py::test_swz_dequant_ptx_emulated_bitwise).
-_E2M1X4_TO_BF16_SWZ_ASM = tl.constexpr("""
-{
-.reg .b32 x, y, t, u;
-prmt.b32 x, $4, 0, 0x1404;
-prmt.b32 y, $4, 0, 0x3424;
-shr.b32 t, x, 2;
-shl.b32 u, x, 4;
-or.b32 t, t, u;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $0, t, $5;
-shr.b32 t, y, 2;
-shl.b32 u, y, 4;
-or.b32 t, t, u;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $1, t, $6;
-shr.b32 t, x, 6;
-and.b32 t, t, 0x01C001C0;
-and.b32 u, x, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 $2, t, $5;
-shr.b32 t, y, 6;
-and.b32 t, t, 0x01C001C0;
-and.b32 u, y, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 $3, t, $6;
-}
-""")
+def _swz_ptx(packed: str, lo: tuple | None, hi: tuple | None) -> str:
+    """PTX of the construction above for one packed register: the low-nibble (even k) pair
+    into lo = (out0, out1, scale0, scale1), the high-nibble (odd k) pair into hi."""
+    text = ["{", ".reg .b32 x, y, t, u;", f"prmt.b32 x, {packed}, 0, 0x1404;", f"prmt.b32 y, {packed}, 0, 0x3424;"]
+    if lo:
+        for src, out, sc in (("x", lo[0], lo[2]), ("y", lo[1], lo[3])):
+            text += [f"shr.b32 t, {src}, 2;", f"shl.b32 u, {src}, 4;", "or.b32 t, t, u;", "and.b32 t, t, 0x81C081C0;",
+                     f"mul.rn.bf16x2 {out}, t, {sc};"]
+    if hi:
+        for src, out, sc in (("x", hi[0], hi[2]), ("y", hi[1], hi[3])):
+            text += [f"shr.b32 t, {src}, 6;", "and.b32 t, t, 0x01C001C0;", f"and.b32 u, {src}, 0x80008000;",
+                     "or.b32 t, t, u;", f"mul.rn.bf16x2 {out}, t, {sc};"]
+    return "\n" + "\n".join(text + ["}"]) + "\n"
+
+
+_E2M1X4_TO_BF16_SWZ_ASM = tl.constexpr(_swz_ptx("$4", ("$0", "$1", "$5", "$6"), ("$2", "$3", "$5", "$6")))
+# One half each (inputs $2 packed, $3 / $4 scales): the folded swap body converts the odd-k
+# half only after the MMA on the even-k half (see _dequant_w_swz_asm_half).
+_E2M1X4_LO_SWZ_ASM = tl.constexpr(_swz_ptx("$2", ("$0", "$1", "$3", "$4"), None))
+_E2M1X4_HI_SWZ_ASM = tl.constexpr(_swz_ptx("$2", None, ("$0", "$1", "$3", "$4")))
 
 
 @triton.jit
@@ -156,6 +150,19 @@ def _dequant_w_swz_asm(packed, sb4, BLOCK_N: tl.constexpr):
         _E2M1X4_TO_BF16_SWZ_ASM, "=r,=r,=r,=r,r,r,r", [p3, _scales_bf16(sb4, BLOCK_N)],
         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     return tl.reshape(w_lo, (BLOCK_N, 64)), tl.reshape(w_hi, (BLOCK_N, 64))
+
+
+@triton.jit
+def _dequant_w_swz_asm_half(packed, sb4, BLOCK_N: tl.constexpr, HI: tl.constexpr):
+    """One of _dequant_w_swz_asm's two tiles: the even-k one (HI False) or the odd-k one."""
+    p3 = tl.reshape(packed.to(tl.uint8), (BLOCK_N, 4, 16))
+    if HI:
+        w = tl.inline_asm_elementwise(_E2M1X4_HI_SWZ_ASM, "=r,=r,r,r,r", [p3, _scales_bf16(sb4, BLOCK_N)],
+                                      dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        w = tl.inline_asm_elementwise(_E2M1X4_LO_SWZ_ASM, "=r,=r,r,r,r", [p3, _scales_bf16(sb4, BLOCK_N)],
+                                      dtype=tl.bfloat16, is_pure=True, pack=4)
+    return tl.reshape(w, (BLOCK_N, 64))
 
 
 @triton.jit

@@ -51,7 +51,8 @@ versions) and the "mma64" operand loads live in `_mxfp4_dequant.py`.
 import triton
 import triton.language as tl
 
-from ._mxfp4_dequant import (_dequant_w, _dequant_w_asm, _dequant_w_swz_asm, _mma64_tile_ptrs, _mma64_unswizzle,
+from ._mxfp4_dequant import (_dequant_w, _dequant_w_asm, _dequant_w_swz_asm, _dequant_w_swz_asm_half,
+                             _mma64_tile_ptrs, _mma64_unswizzle,
                              _nibbles_to_f32)
 from ._triton_utils import pdl_enter, round_to_bf16
 
@@ -293,6 +294,14 @@ def _mxfp4_grouped_gemm_swap_kernel(
     # per-element scale select of the masked load and its predicates were 44 of the 514
     # SASS instructions of the decode loop).
     K_MASKED: tl.constexpr = K % 128 != 0 or (SPLIT and (K // 128) % KB_PER != 0)
+    # NOTE: folded, the block's second MMA is still in flight when the next block's dequant
+    # runs, and ptxas before 13.3 (Triton 3.6 bundles 12.8) may put that dequant's results in
+    # the registers the MMA still reads (triton-lang/triton#9433): wrong, run-to-run different
+    # outputs on the H200 (session 16). So the folded body converts the odd-k half only after
+    # the even-k MMA, behind a barrier, which puts every write to those registers after the
+    # wgmma wait; scripts/sass_wgmma_hazard.py proves it on the compiled SASS (and
+    # tests/test_sass_wgmma_hazard.py for every config routed_configs returns).
+    SPLIT_HALVES: tl.constexpr = FOLD_SA and ASM and W_SWZ and DIAG == 0
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for j in tl.range(0, KB_PER, num_stages=NUM_STAGES, loop_unroll_factor=LOOP_UNROLL):
         kb = pid_k * KB_PER + j
@@ -324,6 +333,8 @@ def _mxfp4_grouped_gemm_swap_kernel(
         if DIAG == 1:  # probe: no conversion (wrong values; isolates load + MMA cost)
             w_lo = packed.to(tl.bfloat16) + tl.sum(sb4, axis=1).to(tl.bfloat16)[:, None]
             w_hi = w_lo
+        elif SPLIT_HALVES:
+            w_lo = _dequant_w_swz_asm_half(packed, sb4, BLOCK_N, False)
         elif ASM and W_SWZ:
             w_lo, w_hi = _dequant_w_swz_asm(packed, sb4, BLOCK_N)
         elif ASM:
@@ -339,6 +350,9 @@ def _mxfp4_grouped_gemm_swap_kernel(
             acc = tl.dot(w_hi, tl.trans(a_odd.to(tl.float32)), acc, input_precision="ieee")
         elif FOLD_SA:
             acc = tl.dot(w_lo.to(tl.bfloat16), tl.trans(a_even.to(tl.bfloat16)), acc)
+            if SPLIT_HALVES:
+                tl.debug_barrier()
+                w_hi = _dequant_w_swz_asm_half(packed, sb4, BLOCK_N, True)
             acc = tl.dot(w_hi.to(tl.bfloat16), tl.trans(a_odd.to(tl.bfloat16)), acc)
         elif DIAG == 2:  # probe: no MMA (isolates load + conversion cost)
             part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) + \

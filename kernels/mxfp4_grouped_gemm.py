@@ -81,14 +81,14 @@ class GemmConfig:
     # sa), exact for power-of-two scales; with a_bf16 the caller hands "scaled pairs",
     # act_quant / swiglu_quant pairs="scaled"), so the K loop accumulates in the MMA chain: no
     # per-block `acc += part * sa`, no wait on each block's MMA, no scale loads (see the swap
-    # kernel). routed_experts.routed_configs turns it on for every swap and tile config of the
-    # mma64 layout (H200, sessions 15-16: 1.005-1.39x). NOTE (session 16, scripts/
-    # gpu_probe_fold32.py): the 32-row swap body folded at 3 or 4 pipeline stages, unroll 1,
-    # gives wrong and run-to-run different outputs on the H200 (Triton 3.6; up to 2.4e6 ulps in
-    # 0.1-0.6 % of the outputs; the 16-row body at 4 stages, the tile body and the 32-row body
-    # at 2 stages, unrolled or on the fp8 operand are exact and deterministic), so
-    # routed_configs folds the 32-row swap only at 2 stages. Root cause not found: the TTGIR
-    # and SASS show the second MMA's operand buffer refilled only after the wait that covers it.
+    # kernel). routed_experts.routed_configs turns it on for the tile configs of the mma64
+    # layout, and for the swap configs with DSV4_MOE_FOLD_SWAP=1. NOTE (session 16): folded, the
+    # swap body's register-operand wgmma stays in flight across the K loop's back edge, and
+    # ptxas < 13.3 may reuse its A registers too early (triton-lang/triton#9433): wrong,
+    # run-to-run different outputs on the H200 (32-row body, 3-4 stages; scripts/
+    # gpu_probe_fold32.py). The swap body therefore converts the odd-k half after the even-k
+    # MMA when folded (mma64 + asm only; other folded swap launches on CUDA are refused), and
+    # scripts/sass_wgmma_hazard.py checks the compiled SASS.
     fold_sa: bool = False
 
     def __post_init__(self) -> None:
@@ -112,9 +112,10 @@ class GemmConfig:
         if (self.fold_sa and self.a_bf16 and self.kind == "swap" and self.block_m >= 32 and self.num_stages >= 3
                 and self.unroll == 1):
             raise ValueError(f"GemmConfig(kind='swap', block_m={self.block_m}, a_bf16=True, fold_sa=True, "
-                             f"num_stages={self.num_stages}, unroll=1): this body races on the H200 "
-                             f"(wrong, run-to-run different outputs; scripts/gpu_probe_fold32.py): "
-                             f"expected num_stages <= 2 or unroll >= 2")
+                             f"num_stages={self.num_stages}, unroll=1): this body raced on the H200 "
+                             f"(wrong, run-to-run different outputs, session 16, before the split-dequant "
+                             f"fix; not re-measured since; scripts/gpu_probe_fold32.py): expected "
+                             f"num_stages <= 2 or unroll >= 2")
         if not isinstance(self.split_k, int) or self.split_k < 1 or (self.split_k > 1 and self.kind == "tile"):
             raise ValueError(f"GemmConfig.split_k={self.split_k!r}: expected an int >= 1 (1 for kind 'tile')")
 
@@ -279,6 +280,10 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
             q = a_pairs
     elif a_pairs is not None:
         raise ValueError(f"a_pairs: given, but config.a_bf16 is False (config={cfg!r})")
+    if cfg.fold_sa and cfg.kind == "swap" and not interpreting() and not (swz and cfg.asm):
+        raise ValueError(f"config.fold_sa=True on the swap body needs layout='mma64' and asm=True on CUDA "
+                         f"(got layout={layout!r}, asm={cfg.asm}): only that body converts the odd-k half after "
+                         f"the even-k MMA, so ptxas < 13.3 cannot reuse an in-flight wgmma's registers")
     if cfg.kind != "tile":
         return _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz)
     grid = (align.max_blocks, triton.cdiv(n, cfg.block_n))

@@ -55,8 +55,9 @@ __all__ = ["routed_experts_forward", "routed_configs", "pairs_mode"]
 # 105.0 -> 103.7, T=64 524.5 -> 510.3, T=1024 1194.0 -> 1184.7.
 SWIGLU_ROUTE_LIST_MIN_ROUTES = 12
 
-# The 16-row swap GEMMs at decode take their activation scale folded into the bf16 operand
-# (GemmConfig.fold_sa; act_quant / swiglu_quant write "scaled pairs"). False (env
+# The routed GEMMs can take their activation scale folded into the bf16 operand
+# (GemmConfig.fold_sa; act_quant / swiglu_quant write "scaled pairs"): by default the tile
+# (prefill) GEMMs do, the swap GEMMs only with FOLD_SWAP (see the end of this note). False (env
 # DSV4_MOE_FOLD_ACT_SCALE=0) restores the per-block `acc += part * sa` body, whose sums
 # follow SPEC §4.3 more closely (A/B: scripts/gpu_profile_layer.py --ab
 # dsv4_moe.kernels.routed_experts.FOLD_ACT_SCALE=,1 - an empty value is False).
@@ -93,30 +94,39 @@ SWIGLU_ROUTE_LIST_MIN_ROUTES = 12
 # 2 stages unroll 2 is exact: Flash T=1024 610.8 -> 549.1, Pro-TP8 T=4096 1091.8 -> 796.9.
 # So a folded 32-row swap config runs 2 stages; the layer (bench_swap32_ab_50c338f.txt, fold
 # of the 32-row configs on / off, us): Flash T=1024 1843.1 / 2046.4, Pro-TP8 T=2048 1378.3 /
-# 1673.7, T=4096 2346.8 / 2879.9, level elsewhere. DSV4_MOE_FOLD_SWAP32=0 keeps the 32-row
-# swap unfolded.
+# 1673.7, T=4096 2346.8 / 2879.9, level elsewhere.
+# NOTE (session 16, after those runs): the cause is ptxas. Folded, a block's second MMA is
+# still in flight when the next block's dequant writes registers, and ptxas before 13.3
+# (Triton 3.6 bundles 12.8) may hand that dequant the registers the in-flight wgmma still
+# reads as its A operand (triton-lang/triton#9433). scripts/sass_wgmma_hazard.py finds such
+# writes in the SASS of EVERY folded swap config measured above: 175-198 of them, the 16-row
+# decode defaults of session 15 included; the per-block and tile bodies have none. The
+# 16-row ones were only lucky in timing. The folded swap body now converts the odd-k half
+# after the even-k MMA, behind a barrier (kernels/_mxfp4_grouped_gemm.py): 0 hazards in every
+# config, checked by tests/test_sass_wgmma_hazard.py. That body has not run on a GPU yet, so
+# the swap GEMMs stay on the per-block body unless DSV4_MOE_FOLD_SWAP=1 (then the 32-row ones
+# at 2 stages, as measured above). The tile GEMMs fold by default: the measured gains above,
+# and no register-operand hazard.
 FOLD_ACT_SCALE = os.environ.get("DSV4_MOE_FOLD_ACT_SCALE", "1").strip() not in ("0", "", "false", "off")
-
-
-FOLD_SWAP32 = os.environ.get("DSV4_MOE_FOLD_SWAP32", "1").strip() not in ("0", "", "false", "off")
+FOLD_SWAP = os.environ.get("DSV4_MOE_FOLD_SWAP", "0").strip() not in ("0", "", "false", "off")
 
 
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
     """(gate_up config, down config); both share BLOCK_M because they share one alignment."""
     return _routed_configs(num_routes, routed.num_local, routed.intermediate, routed.hidden, routed.layout,
-                           FOLD_ACT_SCALE, FOLD_SWAP32)
+                           FOLD_ACT_SCALE, FOLD_SWAP)
 
 
 @functools.lru_cache(maxsize=4096)
 def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str, fold: bool,
-                    fold_swap32: bool) -> tuple[GemmConfig, GemmConfig]:
+                    fold_swap: bool) -> tuple[GemmConfig, GemmConfig]:
     """routed_configs on the shapes and the module switches it reads (memoised: an eager
     forward asks twice, ~70 us of host time each on the H200's host before)."""
     up, down = _base_configs(num_routes, num_local, i, h, layout)
     rows = num_routes / max(num_local, 1)
     if fold and layout == "mma64":
-        up = _fold(up, h, fold_swap32)
-        down = _fold(down, i, fold_swap32, skip=i <= 1024 and rows < 0.05)
+        up = _fold(up, h, fold_swap)
+        down = _fold(down, i, fold_swap, skip=i <= 1024 and rows < 0.05)
     return up, down
 
 
@@ -208,11 +218,10 @@ def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str) 
     return up, down
 
 
-def _fold(cfg: GemmConfig, k: int, fold_swap32: bool, skip: bool = False) -> GemmConfig:
-    """cfg with the activation scale folded into the operand (swap and tile bodies, whole
-    128-blocks; the 32-row swap only with `fold_swap32`, and then at 2 pipeline stages: deeper
-    pipelines race, see above), unless `skip`."""
-    if skip or cfg.kind == "gemv" or k % 128 or (cfg.kind == "swap" and cfg.block_m >= 32 and not fold_swap32):
+def _fold(cfg: GemmConfig, k: int, fold_swap: bool, skip: bool = False) -> GemmConfig:
+    """cfg with the activation scale folded into the operand (tile bodies; swap bodies only
+    with `fold_swap`; whole 128-blocks), unless `skip`."""
+    if skip or cfg.kind == "gemv" or k % 128 or (cfg.kind == "swap" and not fold_swap):
         return cfg
     return fold_config(cfg)
 

@@ -328,6 +328,25 @@ def test_swz_dequant_ptx_emulated_bitwise(which):
                     assert got == want, (which, sc, hex(byte), nib, i, hex(got), hex(want))
 
 
+def test_swz_dequant_ptx_halves_bitwise():
+    """The folded swap body converts a tile's even-k and odd-k halves in two pieces of PTX
+    (_E2M1X4_LO/HI_SWZ_ASM: the odd half only after the even half's MMA, session 16); each is
+    bit for bit its half of _E2M1X4_TO_BF16_SWZ_ASM, for every byte value and several scales."""
+    from dsv4_moe.kernels import _mxfp4_dequant as body
+
+    for sc in [(0, 1, 100, 127), (128, 127, 1, 0), (254, 126, 2, 128)]:
+        b16 = [((s + 126) << 7) & 0xFFFF for s in sc]
+        for b0 in range(256):
+            word = b0 | ((b0 * 37 + 11) & 255) << 8 | ((b0 * 91 + 3) & 255) << 16 | (255 - b0) << 24
+            s5, s6 = b16[0] | b16[1] << 16, b16[2] | b16[3] << 16
+            whole = _run_ptx(body._E2M1X4_TO_BF16_SWZ_ASM.value, {"$4": word, "$5": s5, "$6": s6})
+            lo = _run_ptx(body._E2M1X4_LO_SWZ_ASM.value, {"$2": word, "$3": s5, "$4": s6})
+            hi = _run_ptx(body._E2M1X4_HI_SWZ_ASM.value, {"$2": word, "$3": s5, "$4": s6})
+            got = (lo["$0"], lo["$1"], hi["$0"], hi["$1"])
+            want = (whole["$0"], whole["$1"], whole["$2"], whole["$3"])
+            assert got == want, (sc, hex(word), [hex(v) for v in got], [hex(v) for v in want])
+
+
 def _mma64_case(seed, n=192, h=256, e=6, t=5, k=3):
     g = torch.Generator().manual_seed(seed)
     w, s = _weights(e, n, h, g)
@@ -639,17 +658,17 @@ def test_fold_sa_vs_reference(kind, a_bf16, split):
     assert torch.equal(y[~local], sentinel[~local]), "non-local slots must not be written"
 
 
-def test_fold_sa_guards_and_routed_configs():
-    """fold_sa needs the swap body and the right pairs; routed_configs folds the 16-row swap
-    and tile GEMMs of the mma64 layout at every T (the 32-row swap ones at 2 pipeline stages),
-    not the short-K down below 0.05 rows per expert (measured slower)."""
+def test_fold_sa_guards_and_routed_configs(monkeypatch):
+    """fold_sa needs the swap body and the right pairs; routed_configs folds the tile GEMMs
+    of the mma64 layout, and with FOLD_SWAP (DSV4_MOE_FOLD_SWAP=1) the swap GEMMs too (the
+    32-row ones at 2 pipeline stages), never the short-K down below 0.05 rows per expert."""
     from dsv4_moe.kernels import routed_experts as rx
     from dsv4_moe.kernels.act_quant import act_quant
     from dsv4_moe.weights.tensors import RoutedExpertWeights
 
     with pytest.raises(ValueError, match="fold_sa=True needs kind 'swap' or 'tile'"):
         GemmConfig(1, 64, kind="gemv", fold_sa=True)
-    with pytest.raises(ValueError, match=r"num_stages=3, unroll=1\): this body races on the H200"):
+    with pytest.raises(ValueError, match=r"num_stages=3, unroll=1\): this body raced on the H200"):
         GemmConfig(32, 128, 4, 3, kind="swap", a_bf16=True, fold_sa=True)
     # measured exact and deterministic on the H200, so accepted: 2 stages, unrolled, 16 rows
     GemmConfig(32, 128, 4, 2, kind="swap", a_bf16=True, fold_sa=True)
@@ -677,6 +696,12 @@ def test_fold_sa_guards_and_routed_configs():
                                    shaped(e, h, i // 2), shaped(e, h, i // 32, dtype=torch.float8_e8m0fnu),
                                    0, e, "mma64")
     flash, pro = routed(256, 4096, 2048), routed(384, 7168, 384)
+    for r, t in ((flash, 1), (flash, 16), (flash, 1024), (pro, 4), (pro, 1024), (pro, 4096)):  # swap bodies
+        assert not any(c.fold_sa for c in rx.routed_configs(t * 6, r)), (r.hidden, t)
+    for r, t in ((flash, 4096), (flash, 8192), (pro, 8192)):  # tile bodies
+        up, down = rx.routed_configs(t * 6, r)
+        assert (up.kind, down.kind, up.fold_sa, down.fold_sa) == ("tile", "tile", True, True), (r.hidden, t)
+    monkeypatch.setattr(rx, "FOLD_SWAP", True)
     for r, t, up_fold, down_fold in ((flash, 1, True, True), (flash, 16, True, True), (flash, 64, True, True),
                                      (flash, 256, True, True), (flash, 1024, True, True),
                                      (flash, 8192, True, True), (pro, 1, True, False), (pro, 4, True, True),
@@ -687,7 +712,7 @@ def test_fold_sa_guards_and_routed_configs():
         assert rx.pairs_mode(up) == (("scaled" if up.fold_sa else True) if up.a_bf16 else False)
         for c in (up, down):
             if c.kind == "swap" and c.block_m == 32:
-                assert c.num_stages == 2, (r.hidden, t, c)  # 3-4 stages race when folded (session 16)
+                assert c.num_stages == 2, (r.hidden, t, c)  # 3-4 stages raced when folded (session 16)
     nk = dataclasses.replace(flash, layout="nk")
     assert not any(c.fold_sa for c in rx.routed_configs(16 * 6, nk))
 
@@ -701,15 +726,15 @@ def test_fold_switch_reaches_memoised_configs(monkeypatch):
     u8, e8 = torch.empty(1, dtype=torch.uint8), torch.empty(1, dtype=torch.float8_e8m0fnu)
     r = RoutedExpertWeights(u8.expand(256, 4096, 2048), e8.expand(256, 4096, 128), u8.expand(256, 4096, 1024),
                             e8.expand(256, 4096, 64), 0, 256, "mma64")
-    assert rx.routed_configs(96, r)[0].fold_sa
+    assert all(c.fold_sa for c in rx.routed_configs(8192 * 6, r))
     monkeypatch.setattr(rx, "FOLD_ACT_SCALE", False)
-    assert not any(c.fold_sa for c in rx.routed_configs(96, r))
+    assert not any(c.fold_sa for c in rx.routed_configs(8192 * 6, r))
 
 
-def test_fold_swap32_switch(monkeypatch):
-    """FOLD_SWAP32 (DSV4_MOE_FOLD_SWAP32=0 turns it off) decides whether the 32-row swap configs
-    fold (then at 2 pipeline stages: 3-4 stages race on the H200, session 16); the module
-    switch reaches the memoised configs."""
+def test_fold_swap_switch(monkeypatch):
+    """FOLD_SWAP (DSV4_MOE_FOLD_SWAP=1; off by default: the split-dequant folded swap body is
+    hazard-free in its SASS but not yet run on a GPU) folds the swap configs, the 32-row
+    ones at 2 pipeline stages; the module switch reaches the memoised configs."""
     from dsv4_moe.kernels import routed_experts as rx
     from dsv4_moe.weights.tensors import RoutedExpertWeights
 
@@ -717,10 +742,9 @@ def test_fold_swap32_switch(monkeypatch):
     r = RoutedExpertWeights(u8.expand(256, 4096, 2048), e8.expand(256, 4096, 128), u8.expand(256, 4096, 1024),
                             e8.expand(256, 4096, 64), 0, 256, "mma64")
     up, down = rx.routed_configs(1024 * 6, r)
-    assert (up.kind, up.block_m, up.fold_sa, down.fold_sa, up.num_stages, down.num_stages) == \
-        ("swap", 32, True, True, 2, 2)
-    assert rx.pairs_mode(up) == "scaled"
-    monkeypatch.setattr(rx, "FOLD_SWAP32", False)
-    up, down = rx.routed_configs(1024 * 6, r)
-    assert (up.fold_sa, down.fold_sa, up.num_stages) == (False, False, 3)
+    assert (up.kind, up.block_m, up.fold_sa, down.fold_sa, up.num_stages) == ("swap", 32, False, False, 3)
     assert rx.pairs_mode(up) is True
+    monkeypatch.setattr(rx, "FOLD_SWAP", True)
+    up, down = rx.routed_configs(1024 * 6, r)
+    assert (up.fold_sa, down.fold_sa, up.num_stages, down.num_stages) == (True, True, 2, 2)
+    assert rx.pairs_mode(up) == "scaled"

@@ -1,0 +1,240 @@
+"""Static check (CPU, no GPU needed): does a compiled routed GEMM body overwrite the registers
+of a register-operand wgmma (HGMMA with A in registers) before the wait that retires it?
+
+ptxas before CUDA 13.3 can reuse the input registers of an asynchronous register-operand
+wgmma before the wgmma has read them (triton-lang/triton#9433; fixed in ptxas 13.3 per its
+release notes). Triton 3.6 assembles sm_90 code with its bundled ptxas 12.8. Our swap body
+is such a wgmma: the dequantised weight tile is the A operand, in registers. Folded
+(GemmConfig.fold_sa) the block's second MMA stays in flight across the K loop's back edge.
+The next block's dequant can then write that MMA's A registers before the
+`WARPGROUP.DEPBAR` that waits for it. Session 16 saw exactly that on the H200: wrong and
+run-to-run different outputs from the 32-row body at 3-4 stages (docs/DESIGN.md). Whether it
+bites depends on timing, so the check reads the SASS instead. It compiles the kernel exactly
+as Triton would for sm_90a, disassembles it, and walks every path from each HGMMA to the
+first full wait (`WARPGROUP.DEPBAR.LE gsb0, 0x0`). Any other instruction on such a path that
+writes the HGMMA's A or accumulator registers is a hazard.
+
+    python scripts/sass_wgmma_hazard.py               # every config routed_configs returns (Flash, Pro-TP8,
+                                                      # swap fold off and on); exit 1 on any hazard
+    python scripts/sass_wgmma_hazard.py --variants    # session 16's folded / per-block swap variants
+    python scripts/sass_wgmma_hazard.py --self-test   # the check still finds session 15's hazard
+
+One row per compiled config: hazards found, registers, the ptxas that assembled it.
+"""
+import argparse
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_HGMMA = re.compile(r"HGMMA\.(\d+)x(\d+)x(\d+)\S*\s+R(\d+),\s+(R(\d+)|gdesc)")
+
+
+def _tool(name: str) -> str:
+    import triton
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def ptxas_path() -> str:
+    """The ptxas Triton assembles sm_90 code with (TRITON_PTXAS_PATH or the bundled one)."""
+    from triton import knobs
+    return knobs.nvidia.ptxas.path
+
+
+def ptxas_version(path: str | None = None) -> tuple[int, int]:
+    out = subprocess.run([path or ptxas_path(), "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def parse_sass(sass: str) -> list[tuple[int, str]]:
+    """cuobjdump -sass text -> [(address, instruction)] in address order (one function)."""
+    return [(int(m.group(1), 16), m.group(2)) for line in sass.splitlines() for m in [_LINE.match(line)] if m]
+
+
+def _dest_regs(ins: str) -> set[int]:
+    """Registers an instruction writes (its first operand; wide ops write 2 or 4)."""
+    body = re.sub(r"^@!?U?P\w+\s+", "", ins)
+    parts = body.split(None, 1)
+    if len(parts) < 2:
+        return set()
+    op, rest = parts
+    m = re.match(r"R(\d+)\b", rest)
+    if not m or op.startswith(("ST", "RED", "ATOM", "BAR", "BRA", "EXIT", "HGMMA", "WARPGROUP", "LDGSTS", "SYNCS")):
+        return set()
+    width = 4 if ".128" in op else 2 if (".64" in op or ".WIDE" in op) else 1
+    r = int(m.group(1))
+    return set(range(r, r + width))
+
+
+def hazards(ins: list[tuple[int, str]]) -> list[str]:
+    """Every write to the A or accumulator registers of an in-flight register-operand HGMMA
+    before a full wgmma wait, on any path (branches followed both ways)."""
+    addr_index = {a: i for i, (a, _) in enumerate(ins)}
+    found = {}  # one entry per offending write (the first in-flight HGMMA it hits)
+    for i, (a, s) in enumerate(ins):
+        m = _HGMMA.search(s)
+        if not m or m.group(6) is None:
+            continue  # A from shared memory: nothing in registers to protect but the accumulator
+        n = int(m.group(2))
+        watched = set(range(int(m.group(6)), int(m.group(6)) + 4)) | set(range(int(m.group(4)), int(m.group(4)) + n // 2))
+        stack, seen = [i + 1], set()
+        while stack:
+            j = stack.pop()
+            while j < len(ins) and j not in seen:
+                seen.add(j)
+                aj, sj = ins[j]
+                if re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x0\b", sj):
+                    break
+                if not sj.lstrip("@!P0123456789TU ").startswith(("HGMMA", "WARPGROUP")):
+                    hit = _dest_regs(sj) & watched
+                    if hit and aj not in found:
+                        found[aj] = f"{aj:#06x} {sj}  (writes R{min(hit)}, in use by {a:#06x} {s})"
+                b = re.search(r"\bBRA\s+(?:`\(\S+\)\s*)?0x([0-9a-f]+)", sj)
+                if b and int(b.group(1), 16) in addr_index:
+                    stack.append(addr_index[int(b.group(1), 16)])
+                    if not re.match(r"^@", sj):
+                        break  # unconditional: no fall-through
+                if re.match(r"^(EXIT|RET)\b", sj):
+                    break
+                j += 1
+    return [found[a] for a in sorted(found)]
+
+
+def compile_swap(consts: dict, num_warps: int = 4, maxnreg: int | None = None, kernel: str = "swap"):
+    """Compile the routed GEMM body for sm_90a exactly as a launch would (constexprs = the
+    wrapper's). Returns (sass text, registers per thread)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from dsv4_moe.kernels import _mxfp4_grouped_gemm as body
+    fn = body._mxfp4_grouped_gemm_swap_kernel if kernel == "swap" else body._mxfp4_grouped_gemm_kernel
+    names = fn.arg_names
+    ptr = {"a_ptr": "*bf16" if consts.get("A_BF16") else "*fp8e4nv", "sa_ptr": "*fp32", "w_ptr": "*u8",
+           "sw_ptr": "*u8", "out_ptr": "*bf16", "ws_ptr": "*fp32", "sorted_ids_ptr": "*i32",
+           "block_expert_ptr": "*i32", "num_blocks_ptr": "*i32"}
+    consts = {k: v for k, v in consts.items() if k in names}
+    sig = {n: ("constexpr" if n in consts else ptr.get(n, "i32")) for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n not in consts and (sig[n].startswith("*") or n.startswith("stride") or n in ("N", "R"))}
+    opts = dict(num_warps=num_warps, launch_pdl=bool(consts.get("PDL")))  # the launch's options
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                                 attrs=attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+    with tempfile.TemporaryDirectory() as d:
+        cub = os.path.join(d, "k.cubin")
+        open(cub, "wb").write(c.asm["cubin"])
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", cub], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([_tool("cuobjdump"), "-res-usage", cub], capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+)", res)
+    return sass, int(regs.group(1)) if regs else -1
+
+
+def config_constexprs(cfg, k: int, gather: bool) -> dict:
+    """The constexprs mxfp4_grouped_gemm passes for GemmConfig `cfg` on a K-wide GEMM
+    (mma64 weights, PDL early; keep in step with _launch_split and the tile launch)."""
+    kb = -(-k // 128)
+    splits = min(cfg.split_k, kb)
+    kb_per = -(-kb // splits)
+    splits = -(-kb // kb_per)
+    return dict(A_GATHER=gather, OUT_SCATTER=not gather, K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                NUM_STAGES=cfg.num_stages, KB_PER=kb_per, SPLIT=splits > 1, SOFTWARE_BF16=False,
+                SELECT_SUBNORMAL=False, ASM=cfg.asm and (cfg.kind == "swap" or cfg.scale_bcast), W_SWZ=True,
+                A_BF16=cfg.a_bf16, DIAG=0, LOOP_UNROLL=cfg.unroll, PDL=1, FOLD_SA=cfg.fold_sa,
+                A_SPLIT=cfg.a_split, W_KN=cfg.w_kn, SCALE_BCAST=cfg.scale_bcast)
+
+
+def default_configs():
+    """(label, config, K, gather) for every distinct GEMM config routed_configs returns for the
+    Flash and Pro-TP8 layers over T = 1..8192 (mma64 layout; swap and tile bodies only)."""
+    import torch
+    from dsv4_moe.kernels import routed_experts as rx
+    from dsv4_moe.weights.tensors import RoutedExpertWeights
+    u8, e8 = torch.empty(1, dtype=torch.uint8), torch.empty(1, dtype=torch.float8_e8m0fnu)
+    seen = {}
+    for name, e, h, i in (("flash", 256, 4096, 2048), ("pro-tp8", 384, 7168, 384)):
+        r = RoutedExpertWeights(u8.expand(e, 2 * i, h // 2), e8.expand(e, 2 * i, h // 32), u8.expand(e, h, i // 2),
+                                e8.expand(e, h, i // 32), 0, e, "mma64")
+        for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192):
+            up, down = rx.routed_configs(t * 6, r)
+            for gemm, cfg, k, gather in (("gate_up", up, h, True), ("down", down, i, False)):
+                if cfg.kind == "gemv":
+                    continue
+                key = (cfg, k, gather)
+                seen.setdefault(key, f"{name} {gemm} T={t}")
+    return [(label, cfg, k, gather) for (cfg, k, gather), label in seen.items()]
+
+
+def session16_variants():
+    from dsv4_moe.kernels.mxfp4_grouped_gemm import GemmConfig
+    b32 = GemmConfig(32, 128, 4, 2, kind="swap", asm=True, a_bf16=True)
+    b16 = GemmConfig(16, 128, 4, 4, kind="swap", asm=True, a_bf16=True)
+    out = []
+    for label, cfg in (("per-block 32 s3", dataclasses.replace(b32, num_stages=3)),
+                       ("fold 32 s2", dataclasses.replace(b32, fold_sa=True)),
+                       ("fold 32 s2 u2", dataclasses.replace(b32, fold_sa=True, unroll=2)),
+                       ("per-block 16 s4 cap128", dataclasses.replace(b16, maxnreg=128)),
+                       ("fold 16 s4 cap128", dataclasses.replace(b16, maxnreg=128, fold_sa=True)),
+                       ("fold 16 s4", dataclasses.replace(b16, fold_sa=True))):
+        out.append((label, cfg, 4096, True, {}))
+    c = GemmConfig(32, 128, 4, 2, kind="swap", asm=True, a_bf16=True, fold_sa=True)
+    object.__setattr__(c, "num_stages", 3)  # past GemmConfig's guard, on purpose: the body that raced
+    out.append(("fold 32 s3", c, 4096, True, {}))
+    # the body session 15 shipped: both halves converted before the first MMA (still what a
+    # folded launch on "nk" weights would compile; the wrapper refuses it on CUDA)
+    out.append(("fold 16 s4 cap128, unsplit", dataclasses.replace(b16, maxnreg=128, fold_sa=True), 4096, True,
+                {"W_SWZ": False}))
+    return out
+
+
+def _row(label, cfg, k, gather, extra=None):
+    consts = dict(config_constexprs(cfg, k, gather), **(extra or {}))
+    sass, regs = compile_swap(consts, cfg.num_warps, cfg.maxnreg, "swap" if cfg.kind == "swap" else "tile")
+    return hazards(parse_sass(sass)), regs
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", action="store_true", help="session 16's folded / per-block swap variants")
+    ap.add_argument("--self-test", action="store_true",
+                    help="exit 1 unless the unsplit folded body shows hazards and the split one none")
+    ap.add_argument("--show", type=int, default=2, help="hazards printed per config")
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("sass_wgmma_hazard: unset TRITON_INTERPRET (the interpreter compiles nothing)")
+    path = ptxas_path()
+    print(f"# ptxas {'.'.join(map(str, ptxas_version(path)))} ({path})")
+    if args.variants or args.self_test:
+        rows = session16_variants()
+    else:
+        from dsv4_moe.kernels import routed_experts as rx
+        keyed = {}
+        for fold_swap in (False, True):  # the default and DSV4_MOE_FOLD_SWAP=1
+            rx.FOLD_SWAP = fold_swap
+            for label, cfg, k, gather in default_configs():
+                keyed.setdefault((cfg, k, gather), label + (" (FOLD_SWAP)" if fold_swap and cfg.fold_sa else ""))
+        rows = [(label, cfg, k, gather, {}) for (cfg, k, gather), label in keyed.items()]
+    result = {}
+    for label, cfg, k, gather, extra in rows:
+        found, regs = _row(label, cfg, k, gather, extra)
+        result[label] = found
+        print(f"{label:34s} {cfg.kind:4s} {cfg.block_m:3d}x{cfg.block_n} stages {cfg.num_stages} unroll {cfg.unroll} "
+              f"cap {cfg.maxnreg} pairs {cfg.a_bf16!s:5s} fold {cfg.fold_sa!s:5s} K={k:5d}: "
+              f"{len(found):4d} hazards, {regs} registers")
+        for h in found[:args.show]:
+            print(f"    {h}")
+    if args.self_test:
+        ok = bool(result["fold 16 s4 cap128, unsplit"]) and not result["fold 16 s4 cap128"]
+        print("self-test", "ok" if ok else "FAILED")
+        return 0 if ok else 1
+    if args.variants:
+        return 0
+    return 1 if any(result.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

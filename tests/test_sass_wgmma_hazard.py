@@ -1,0 +1,77 @@
+"""The routed GEMM bodies compiled for sm_90a, on the CPU, by the ptxas Triton uses: no
+instruction may write the registers of an in-flight register-operand wgmma before the wait
+that retires it. ptxas before 13.3 can produce exactly that (triton-lang/triton#9433). Session
+16 saw it corrupt the folded swap body on the H200, so this is checked on the SASS rather
+than left to timing (scripts/sass_wgmma_hazard.py)."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+import sass_wgmma_hazard as H  # noqa: E402
+
+
+
+def _run(*args):
+    """The script in a subprocess without TRITON_INTERPRET (the suite sets it; the
+    interpreter compiles nothing); skipped where Triton's ptxas / cuobjdump are missing."""
+    import subprocess
+    try:
+        path = H.ptxas_path()
+    except Exception as exc:  # noqa: BLE001 - no Triton NVIDIA backend at all
+        pytest.skip(f"no ptxas from Triton: {exc}")
+    if not (os.path.exists(path) and os.path.exists(H._tool("cuobjdump"))):
+        pytest.skip(f"Triton's ptxas / cuobjdump not found ({path})")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, os.path.join(os.path.dirname(H.__file__), "sass_wgmma_hazard.py"),
+                           *args], capture_output=True, text=True, env=env, timeout=900)
+
+
+_SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   WARPGROUP.ARRIVE ;
+        /*0020*/                   HGMMA.64x16x16.F32.BF16 R24, R40, gdesc[UR4], R24 ;
+        /*0030*/                   HGMMA.64x16x16.F32.BF16 R24, R44, gdesc[UR8], R24, gsb0 ;
+        /*0040*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*0050*/                   ISETP.GE.AND P0, PT, R2, 0x8, PT ;
+        /*0060*/               @!P0 BRA 0x80 ;
+        /*0070*/                   EXIT ;
+        /*0080*/                   PRMT R{reg}, R8, 0x1404, RZ ;
+        /*0090*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*00a0*/                   PRMT R45, R8, 0x1404, RZ ;
+        /*00b0*/                   BRA 0x10 ;
+"""
+
+
+@pytest.mark.parametrize("reg,expect", [(46, 1), (28, 1), (50, 0)], ids=["A-register", "accumulator", "other"])
+def test_hazard_analysis_on_known_sass(reg, expect):
+    """A write on the loop's back edge before the wait hits the A registers (R44..R47) or the
+    accumulator (R24..R31) of the HGMMA still in flight; the write after the wait does not count;
+    an unrelated register is no hazard."""
+    found = H.hazards(H.parse_sass(_SASS.replace("{reg}", str(reg))))
+    assert len(found) == expect, found
+
+
+def test_hazard_analysis_sees_through_the_wait_only_when_full():
+    """`WARPGROUP.DEPBAR.LE gsb0, 0x1` leaves one group in flight: not a full wait."""
+    sass = _SASS.replace("{reg}", "50").replace("DEPBAR.LE gsb0, 0x0", "DEPBAR.LE gsb0, 0x1")
+    found = H.hazards(H.parse_sass(sass))
+    assert any("R45" in f for f in found), found
+
+
+def test_default_routed_configs_have_no_wgmma_register_hazard():
+    """Every distinct GEMM config routed_configs returns for the Flash and Pro-TP8 layers
+    (T = 1..8192), with the swap fold off (default) and on (DSV4_MOE_FOLD_SWAP=1), compiles
+    to SASS with no write to an in-flight wgmma's registers."""
+    r = _run()
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "fold True " in r.stdout and " swap " in r.stdout, r.stdout  # the folded swap body was checked
+
+
+def test_the_unsplit_folded_body_is_caught():
+    """The check finds the hazard in the body session 15 shipped (both halves converted before
+    the first MMA; still what a folded launch on "nk" weights would compile, which the wrapper
+    refuses on CUDA), and none in the same config on "mma64" weights (split halves)."""
+    r = _run("--self-test")
+    assert r.returncode == 0 and "self-test ok" in r.stdout, r.stdout + r.stderr
