@@ -8,9 +8,13 @@ whether a rerun gives the same bytes, and whether other pipeline depths / unroll
 
     OUT=./out python3 scripts/gpu_probe_fold32.py [--gemm gate_up|down] [--seeds 1,2] [--reruns 10] [--time]
 
-First run (8d08a02, probe_fold32_8d08a02.txt): the folded 32-row gate_up at 3 and 4 pipeline
-stages is wrong (up to 4.7e5 ulps, 0.1-0.5 % of outputs > 1 ulp), at 2 stages, unrolled twice
-or on the fp8 operand it equals the folded 16-row body and the folded tile bit for bit.
+Runs 8d08a02 / 2368def / 50c338f (docs/bench/2026-11-29/session16/probe_fold32_*.txt): the
+folded 32-row body at 3 and 4 pipeline stages was wrong and non-deterministic (up to 2.4e6
+ulps, 0.05-0.5 % of outputs > 1 ulp); at 2 stages, unrolled twice or on the fp8 operand it
+equalled the folded 16-row body and the folded tile bit for bit. The cause was ptxas < 13.3
+reusing the in-flight wgmma's A registers (scripts/sass_wgmma_hazard.py). Since 933a6cc the
+folded swap body converts the odd-k half after the even-k MMA, so the "fold" variants here
+now run that body: the next run says whether 3-4 stages are exact with it, and how fast.
 """
 import argparse
 import dataclasses
