@@ -30,7 +30,7 @@ import sys
 import tempfile
 
 _LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
-_HGMMA = re.compile(r"HGMMA\.(\d+)x(\d+)x(\d+)\S*\s+R(\d+),\s+(R(\d+)|gdesc)")
+_HGMMA = re.compile(r"[A-Z]GMMA\.(\d+)x(\d+)x(\d+)\S*\s+R(\d+),\s+(R(\d+)|gdesc)")  # HGMMA (bf16), QGMMA (fp8), ...
 
 
 def _tool(name: str) -> str:
@@ -63,7 +63,7 @@ def _dest_regs(ins: str) -> set[int]:
         return set()
     op, rest = parts
     m = re.match(r"R(\d+)\b", rest)
-    if not m or op.startswith(("ST", "RED", "ATOM", "BAR", "BRA", "EXIT", "HGMMA", "WARPGROUP", "LDGSTS", "SYNCS")):
+    if not m or "GMMA" in op or op.startswith(("ST", "RED", "ATOM", "BAR", "BRA", "EXIT", "WARPGROUP", "LDGSTS", "SYNCS")):
         return set()
     width = 4 if ".128" in op else 2 if (".64" in op or ".WIDE" in op) else 1
     r = int(m.group(1))
@@ -89,7 +89,7 @@ def hazards(ins: list[tuple[int, str]]) -> list[str]:
                 aj, sj = ins[j]
                 if re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x0\b", sj):
                     break
-                if not sj.lstrip("@!P0123456789TU ").startswith(("HGMMA", "WARPGROUP")):
+                if "GMMA" not in sj and "WARPGROUP" not in sj:
                     hit = _dest_regs(sj) & watched
                     if hit and aj not in found:
                         found[aj] = f"{aj:#06x} {sj}  (writes R{min(hit)}, in use by {a:#06x} {s})"
