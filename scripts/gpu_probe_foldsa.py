@@ -4,9 +4,13 @@ per-block wait, FFMA or scale loads) against the per-block body, on the layer's 
 configs (CUDA graphs, weights not rotated), interleaved; plus the share of outputs that
 differ between the two (both are checked against the reference by gpu_check_layer).
 
-    OUT=./out python3 scripts/gpu_probe_foldsa.py [--ts 1,4,16,64]     (decode: the folded default)
-    OUT=./out python3 scripts/gpu_probe_foldsa.py --ts 256,1024,4096   (not folded yet: 32-row swap
-                                                                        and tile configs, to measure)
+    OUT=./out python3 scripts/gpu_probe_foldsa.py [--ts 1,4,16,64]        (decode: swap bodies)
+    OUT=./out python3 scripts/gpu_probe_foldsa.py --ts 256,1024,4096,8192 (32-row swap and tile bodies)
+
+Each GEMM: its config with fold_sa off against routed_experts.fold_config of it (the folded
+twin: since session 16 the swap body converts the odd-k half after the even-k MMA, and a
+32-row swap runs 2 stages). Session 15/16 timings of the swap bodies were of the earlier
+folded body, which ptxas < 13.3 made unsafe (scripts/sass_wgmma_hazard.py).
 
 (Session 15 first measured an experimental copy of the kernel fed unscaled pairs, commit
 955a6d2 + scripts/_mx_foldsa_exp.py, docs/bench/2026-11-29/session15/probe_foldsa_exp.txt.)
