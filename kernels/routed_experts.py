@@ -92,7 +92,7 @@ SWIGLU_ROUTE_LIST_MIN_ROUTES = 12
 # 1014.5, Pro-TP8 T=4096 1294.3 -> 1078.2. The down GEMMs (probe_fold32_down_50c338f.txt,
 # their configs unroll the K loop twice): 3 stages unroll 1 races on Flash too (0/10 reruns),
 # 2 stages unroll 2 is exact: Flash T=1024 610.8 -> 549.1, Pro-TP8 T=4096 1091.8 -> 796.9.
-# So a folded 32-row swap config runs 2 stages; the layer (bench_swap32_ab_50c338f.txt, fold
+# So a folded 32-row swap config ran 2 stages (until session 17, below); the layer (bench_swap32_ab_50c338f.txt, fold
 # of the 32-row configs on / off, us): Flash T=1024 1843.1 / 2046.4, Pro-TP8 T=2048 1378.3 /
 # 1673.7, T=4096 2346.8 / 2879.9, level elsewhere.
 # NOTE (session 16, after those runs): the cause is ptxas. Folded, a block's second MMA is
@@ -103,12 +103,35 @@ SWIGLU_ROUTE_LIST_MIN_ROUTES = 12
 # decode defaults of session 15 included; the per-block and tile bodies have none. The
 # 16-row ones were only lucky in timing. The folded swap body now converts the odd-k half
 # after the even-k MMA, behind a barrier (kernels/_mxfp4_grouped_gemm.py): 0 hazards in every
-# config, checked by tests/test_sass_wgmma_hazard.py. That body has not run on a GPU yet, so
-# the swap GEMMs stay on the per-block body unless DSV4_MOE_FOLD_SWAP=1 (then the 32-row ones
-# at 2 stages, as measured above). The tile GEMMs fold by default: the measured gains above,
-# and no register-operand hazard.
+# config, checked by tests/test_sass_wgmma_hazard.py.
+# NOTE (session 17, that body on the H200: docs/bench/2026-11-29/session17/probe_fold32_*_d97206c.txt,
+# probe_foldsa_d97206c.txt): exact at 2-4 stages (10/10 reruns bitwise, two seeds), but the
+# serialised halves cost the overlap the fold was for. Per-block -> folded, us: it pays on
+# short K loops - Pro-TP8 down (K = 384, 3 blocks) T=4 21.7 -> 19.5, T=16 69.3 -> 63.8, T=64
+# 187.2 -> 170.5, T=256 295.1 -> 269.7, T=1024 428.4 -> 364.8, T=4096 (32 rows, unroll 2)
+# 1124.9 -> 875.8; the split-K decode gate_up (7-8 blocks per program) Pro-TP8 T=1 18.6 ->
+# 15.3, T=4 46.4 -> 44.2, Flash T=1 37.2 -> 35.0 - and loses on long ones: Flash gate_up
+# (32 blocks) T=4 95.4 -> 119.5, T=16 284.6 -> 334.9, T=1024 (32 rows) 1244.0 -> 1404.3;
+# Flash down (16 blocks) T=4 53.5 -> 58.1, T=1024 606.2 -> 722.5; Pro-TP8 gate_up (56
+# blocks) T=16 113.5 -> 113.7, T=1024 571.7 -> 750.0. So by default (FOLD_SWAP "auto") a
+# swap GEMM folds when each program runs at most FOLD_SWAP_MAX_BLOCKS 128-blocks of K;
+# DSV4_MOE_FOLD_SWAP=1 folds every swap GEMM, =0 none. The tile GEMMs fold by default:
+# the measured gains above, and no register-operand hazard.
+FOLD_SWAP_MAX_BLOCKS = 8
 FOLD_ACT_SCALE = os.environ.get("DSV4_MOE_FOLD_ACT_SCALE", "1").strip() not in ("0", "", "false", "off")
-FOLD_SWAP = os.environ.get("DSV4_MOE_FOLD_SWAP", "0").strip() not in ("0", "", "false", "off")
+
+
+def _fold_swap_mode(value: str) -> str:
+    """DSV4_MOE_FOLD_SWAP -> "auto" (unset or "auto"), "all" (1/on/true/all), "off" (0/off/false)."""
+    v = value.strip().lower()
+    for mode, spellings in (("auto", ("auto",)), ("all", ("1", "on", "true", "all")), ("off", ("0", "off", "false"))):
+        if v in spellings:
+            return mode
+    raise ValueError(f"DSV4_MOE_FOLD_SWAP={value!r}: expected auto (default), 1 (fold every swap GEMM) "
+                     f"or 0 (none)")
+
+
+FOLD_SWAP = _fold_swap_mode(os.environ.get("DSV4_MOE_FOLD_SWAP", "auto"))
 
 
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
@@ -119,7 +142,7 @@ def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmCo
 
 @functools.lru_cache(maxsize=4096)
 def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str, fold: bool,
-                    fold_swap: bool) -> tuple[GemmConfig, GemmConfig]:
+                    fold_swap: str) -> tuple[GemmConfig, GemmConfig]:
     """routed_configs on the shapes and the module switches it reads (memoised: an eager
     forward asks twice, ~70 us of host time each on the H200's host before)."""
     up, down = _base_configs(num_routes, num_local, i, h, layout)
@@ -218,19 +241,21 @@ def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str) 
     return up, down
 
 
-def _fold(cfg: GemmConfig, k: int, fold_swap: bool, skip: bool = False) -> GemmConfig:
-    """cfg with the activation scale folded into the operand (tile bodies; swap bodies only
-    with `fold_swap`; whole 128-blocks), unless `skip`."""
-    if skip or cfg.kind == "gemv" or k % 128 or (cfg.kind == "swap" and not fold_swap):
+def _fold(cfg: GemmConfig, k: int, fold_swap: str, skip: bool = False) -> GemmConfig:
+    """cfg with the activation scale folded into the operand (tile bodies; swap bodies per
+    `fold_swap`: "all", "off", or "auto" - at most FOLD_SWAP_MAX_BLOCKS K blocks per
+    program; whole 128-blocks only), unless `skip`."""
+    if skip or cfg.kind == "gemv" or k % 128:
+        return cfg
+    if cfg.kind == "swap" and (fold_swap == "off" or fold_swap == "auto" and
+                               -(-(k // 128) // cfg.split_k) > FOLD_SWAP_MAX_BLOCKS):
         return cfg
     return fold_config(cfg)
 
 
 def fold_config(cfg: GemmConfig) -> GemmConfig:
-    """The folded twin of a swap / tile config (GemmConfig.fold_sa): the 32-row swap body at 2
-    pipeline stages, the only depth at which it is exact when folded (session 16)."""
-    swap32 = cfg.kind == "swap" and cfg.block_m >= 32
-    return dataclasses.replace(cfg, fold_sa=True, num_stages=min(cfg.num_stages, 2) if swap32 else cfg.num_stages)
+    """The folded twin of a swap / tile config (GemmConfig.fold_sa)."""
+    return dataclasses.replace(cfg, fold_sa=True)
 
 
 def pairs_mode(cfg: GemmConfig) -> "bool | str":

@@ -15,7 +15,7 @@ first full wait (`WARPGROUP.DEPBAR.LE gsb0, 0x0`). Any other instruction on such
 writes the HGMMA's A or accumulator registers is a hazard.
 
     python scripts/sass_wgmma_hazard.py               # every config routed_configs returns (Flash, Pro-TP8,
-                                                      # swap fold off and on); exit 1 on any hazard
+                                                      # swap fold auto and all); exit 1 on any hazard
     python scripts/sass_wgmma_hazard.py --variants    # session 16's folded / per-block swap variants
     python scripts/sass_wgmma_hazard.py --self-test   # the check still finds session 15's hazard
 
@@ -181,9 +181,7 @@ def session16_variants():
                        ("fold 16 s4 cap128", dataclasses.replace(b16, maxnreg=128, fold_sa=True)),
                        ("fold 16 s4", dataclasses.replace(b16, fold_sa=True))):
         out.append((label, cfg, 4096, True, {}))
-    c = GemmConfig(32, 128, 4, 2, kind="swap", asm=True, a_bf16=True, fold_sa=True)
-    object.__setattr__(c, "num_stages", 3)  # past GemmConfig's guard, on purpose: the body that raced
-    out.append(("fold 32 s3", c, 4096, True, {}))
+    out.append(("fold 32 s3", dataclasses.replace(b32, num_stages=3, fold_sa=True), 4096, True, {}))
     # the body session 15 shipped: both halves converted before the first MMA (still what a
     # folded launch on "nk" weights would compile; the wrapper refuses it on CUDA)
     out.append(("fold 16 s4 cap128, unsplit", dataclasses.replace(b16, maxnreg=128, fold_sa=True), 4096, True,
@@ -213,10 +211,10 @@ def main():
     else:
         from dsv4_moe.kernels import routed_experts as rx
         keyed = {}
-        for fold_swap in (False, True):  # the default and DSV4_MOE_FOLD_SWAP=1
+        for fold_swap in ("auto", "all"):  # the default and DSV4_MOE_FOLD_SWAP=1
             rx.FOLD_SWAP = fold_swap
             for label, cfg, k, gather in default_configs():
-                keyed.setdefault((cfg, k, gather), label + (" (FOLD_SWAP)" if fold_swap and cfg.fold_sa else ""))
+                keyed.setdefault((cfg, k, gather), label + (" (FOLD_SWAP=1)" if fold_swap == "all" else ""))
         rows = [(label, cfg, k, gather, {}) for (cfg, k, gather), label in keyed.items()]
     result = {}
     for label, cfg, k, gather, extra in rows:

@@ -660,23 +660,26 @@ def test_fold_sa_vs_reference(kind, a_bf16, split):
 
 def test_fold_sa_guards_and_routed_configs(monkeypatch):
     """fold_sa needs the swap body and the right pairs; routed_configs folds the tile GEMMs
-    of the mma64 layout, and with FOLD_SWAP (DSV4_MOE_FOLD_SWAP=1) the swap GEMMs too (the
-    32-row ones at 2 pipeline stages), never the short-K down below 0.05 rows per expert."""
+    of the mma64 layout and, by default, the swap GEMMs whose programs run at most
+    FOLD_SWAP_MAX_BLOCKS K blocks (Pro-TP8 down, the split-K decode gate_up); with
+    DSV4_MOE_FOLD_SWAP=1 every swap GEMM, with =0 none; never the short-K down below 0.05
+    rows per expert."""
     from dsv4_moe.kernels import routed_experts as rx
     from dsv4_moe.kernels.act_quant import act_quant
     from dsv4_moe.weights.tensors import RoutedExpertWeights
 
     with pytest.raises(ValueError, match="fold_sa=True needs kind 'swap' or 'tile'"):
         GemmConfig(1, 64, kind="gemv", fold_sa=True)
-    with pytest.raises(ValueError, match=r"num_stages=3, unroll=1\): this body raced on the H200"):
-        GemmConfig(32, 128, 4, 3, kind="swap", a_bf16=True, fold_sa=True)
-    # measured exact and deterministic on the H200, so accepted: 2 stages, unrolled, 16 rows
-    GemmConfig(32, 128, 4, 2, kind="swap", a_bf16=True, fold_sa=True)
-    GemmConfig(32, 128, 4, 3, kind="swap", a_bf16=True, fold_sa=True, unroll=2)
+    # the split-dequant body: exact at 2-4 stages on the H200 (session 17), so all accepted
+    GemmConfig(32, 128, 4, 3, kind="swap", a_bf16=True, fold_sa=True)
     GemmConfig(16, 128, 4, 4, kind="swap", a_bf16=True, fold_sa=True)
     assert rx.fold_config(GemmConfig(32, 128, 4, 3, kind="swap", a_bf16=True)) == \
-        GemmConfig(32, 128, 4, 2, kind="swap", a_bf16=True, fold_sa=True)
+        GemmConfig(32, 128, 4, 3, kind="swap", a_bf16=True, fold_sa=True)
     assert rx.fold_config(GemmConfig(64, 128, 4, 3, a_bf16=True)) == GemmConfig(64, 128, 4, 3, a_bf16=True, fold_sa=True)
+    assert rx._fold_swap_mode(" AUTO ") == "auto" and rx._fold_swap_mode("1") == "all"
+    assert rx._fold_swap_mode("off") == "off"
+    with pytest.raises(ValueError, match=r"DSV4_MOE_FOLD_SWAP='yes': expected auto \(default\), 1"):
+        rx._fold_swap_mode("yes")
     g = torch.Generator().manual_seed(5)
     w, s = _weights(4, 128, 256, g)
     q, sa, p = act_quant(torch.randn(2, 256, generator=g).bfloat16(), pairs=True)
@@ -696,12 +699,21 @@ def test_fold_sa_guards_and_routed_configs(monkeypatch):
                                    shaped(e, h, i // 2), shaped(e, h, i // 32, dtype=torch.float8_e8m0fnu),
                                    0, e, "mma64")
     flash, pro = routed(256, 4096, 2048), routed(384, 7168, 384)
-    for r, t in ((flash, 1), (flash, 16), (flash, 1024), (pro, 4), (pro, 1024), (pro, 4096)):  # swap bodies
-        assert not any(c.fold_sa for c in rx.routed_configs(t * 6, r)), (r.hidden, t)
-    for r, t in ((flash, 4096), (flash, 8192), (pro, 8192)):  # tile bodies
+    assert rx.FOLD_SWAP == "auto"
+    # default: (T, gate_up kind, gate_up folded, down folded); K blocks per program in the comment
+    for r, t, kinds, up_fold, down_fold in (
+            (flash, 1, "swap", True, False),      # gate_up split 4 ways: 8 blocks; down 16
+            (flash, 4, "swap", False, False),     # 32 / 16 blocks
+            (flash, 16, "swap", False, False), (flash, 1024, "swap", False, False),
+            (flash, 4096, "tile", True, True), (flash, 8192, "tile", True, True),
+            (pro, 1, "swap", True, False),        # split 8: 7 blocks; down below 0.05 rows: skipped
+            (pro, 4, "swap", True, True),         # split 8: 7 blocks; down K = 384: 3 blocks
+            (pro, 16, "swap", False, True), (pro, 1024, "swap", False, True),
+            (pro, 4096, "swap", False, True), (pro, 8192, "tile", True, True)):
         up, down = rx.routed_configs(t * 6, r)
-        assert (up.kind, down.kind, up.fold_sa, down.fold_sa) == ("tile", "tile", True, True), (r.hidden, t)
-    monkeypatch.setattr(rx, "FOLD_SWAP", True)
+        assert (up.kind, up.fold_sa, down.fold_sa) == (kinds, up_fold, down_fold), (r.hidden, t, up, down)
+        assert rx.pairs_mode(up) == (("scaled" if up.fold_sa else True) if up.a_bf16 else False)
+    monkeypatch.setattr(rx, "FOLD_SWAP", "all")
     for r, t, up_fold, down_fold in ((flash, 1, True, True), (flash, 16, True, True), (flash, 64, True, True),
                                      (flash, 256, True, True), (flash, 1024, True, True),
                                      (flash, 8192, True, True), (pro, 1, True, False), (pro, 4, True, True),
@@ -710,9 +722,9 @@ def test_fold_sa_guards_and_routed_configs(monkeypatch):
         up, down = rx.routed_configs(t * 6, r)
         assert (up.fold_sa, down.fold_sa) == (up_fold, down_fold), (r.hidden, t, up, down)
         assert rx.pairs_mode(up) == (("scaled" if up.fold_sa else True) if up.a_bf16 else False)
-        for c in (up, down):
-            if c.kind == "swap" and c.block_m == 32:
-                assert c.num_stages == 2, (r.hidden, t, c)  # 3-4 stages raced when folded (session 16)
+    monkeypatch.setattr(rx, "FOLD_SWAP", "off")
+    for r, t in ((flash, 1), (flash, 16), (flash, 1024), (pro, 4), (pro, 1024), (pro, 4096)):  # swap bodies
+        assert not any(c.fold_sa for c in rx.routed_configs(t * 6, r)), (r.hidden, t)
     nk = dataclasses.replace(flash, layout="nk")
     assert not any(c.fold_sa for c in rx.routed_configs(16 * 6, nk))
 
@@ -732,9 +744,9 @@ def test_fold_switch_reaches_memoised_configs(monkeypatch):
 
 
 def test_fold_swap_switch(monkeypatch):
-    """FOLD_SWAP (DSV4_MOE_FOLD_SWAP=1; off by default: the split-dequant folded swap body is
-    hazard-free in its SASS but not yet run on a GPU) folds the swap configs, the 32-row
-    ones at 2 pipeline stages; the module switch reaches the memoised configs."""
+    """FOLD_SWAP (DSV4_MOE_FOLD_SWAP; "auto" by default: short K loops only) reaches the
+    memoised configs: the Flash T = 1024 32-row GEMMs (32 and 16 K blocks) stay per-block
+    unless it is "all"; the 32-row body keeps its 3 stages when folded."""
     from dsv4_moe.kernels import routed_experts as rx
     from dsv4_moe.weights.tensors import RoutedExpertWeights
 
@@ -744,7 +756,7 @@ def test_fold_swap_switch(monkeypatch):
     up, down = rx.routed_configs(1024 * 6, r)
     assert (up.kind, up.block_m, up.fold_sa, down.fold_sa, up.num_stages) == ("swap", 32, False, False, 3)
     assert rx.pairs_mode(up) is True
-    monkeypatch.setattr(rx, "FOLD_SWAP", True)
+    monkeypatch.setattr(rx, "FOLD_SWAP", "all")
     up, down = rx.routed_configs(1024 * 6, r)
-    assert (up.fold_sa, down.fold_sa, up.num_stages, down.num_stages) == (True, True, 2, 2)
+    assert (up.fold_sa, down.fold_sa, up.num_stages, down.num_stages) == (True, True, 3, 3)
     assert rx.pairs_mode(up) == "scaled"
