@@ -102,7 +102,9 @@ def main():
         target, vals = args.ab.split("=", 1)
         mod_name, ab_attr = target.rsplit(".", 1)
         ab_mod = importlib.import_module(mod_name)
-        ab_vals = [type(getattr(ab_mod, ab_attr))(v) for v in vals.split(",")]
+        kind = type(getattr(ab_mod, ab_attr))
+        ab_vals = [v.strip().lower() not in ("0", "", "false", "off") if kind is bool else kind(v)
+                   for v in vals.split(",")]  # bool("0") would be True
     out = os.environ.get("OUT", "./out")
     os.makedirs(out, exist_ok=True)
     lines, rows = [], []
