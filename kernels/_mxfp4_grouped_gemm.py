@@ -58,6 +58,12 @@ from ._triton_utils import pdl_enter, round_to_bf16
 
 
 @triton.jit
+def _opaque_f32(x):
+    """x itself, through inline PTX the compiler cannot see into: its MMA must have retired."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _mxfp4_grouped_gemm_kernel(
     a_ptr, sa_ptr, w_ptr, sw_ptr, out_ptr,
     sorted_ids_ptr, block_expert_ptr, num_blocks_ptr,
@@ -242,6 +248,7 @@ def _mxfp4_grouped_gemm_swap_kernel(
     LOOP_UNROLL: tl.constexpr = 1,  # Triton loop_unroll_factor of the K loop (GemmConfig.unroll)
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
     FOLD_SA: tl.constexpr = False,  # GemmConfig.fold_sa: the activation scale in the operand
+    FOLD_SYNC: tl.constexpr = 0,    # folded body's ordering: 0 barrier-split halves; 1 split, opaque acc; 2 whole, opaque acc
 ):
     """Swapped operands: out^T[n, rows] = W[n, k] . A^T[k, rows]. The dequantised weight
     tile is the MMA's first operand (kept in registers on Hopper: no shared-memory round
@@ -301,7 +308,7 @@ def _mxfp4_grouped_gemm_swap_kernel(
     # the even-k MMA, behind a barrier, which puts every write to those registers after the
     # wgmma wait; scripts/sass_wgmma_hazard.py proves it on the compiled SASS (and
     # tests/test_sass_wgmma_hazard.py for every config routed_configs returns).
-    SPLIT_HALVES: tl.constexpr = FOLD_SA and ASM and W_SWZ and DIAG == 0
+    SPLIT_HALVES: tl.constexpr = FOLD_SA and ASM and W_SWZ and DIAG == 0 and FOLD_SYNC != 2
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for j in tl.range(0, KB_PER, num_stages=NUM_STAGES, loop_unroll_factor=LOOP_UNROLL):
         kb = pid_k * KB_PER + j
@@ -350,10 +357,15 @@ def _mxfp4_grouped_gemm_swap_kernel(
             acc = tl.dot(w_hi, tl.trans(a_odd.to(tl.float32)), acc, input_precision="ieee")
         elif FOLD_SA:
             acc = tl.dot(w_lo.to(tl.bfloat16), tl.trans(a_even.to(tl.bfloat16)), acc)
-            if SPLIT_HALVES:
+            if SPLIT_HALVES and FOLD_SYNC == 1:
+                acc = _opaque_f32(acc)
+                w_hi = _dequant_w_swz_asm_half(packed, sb4, BLOCK_N, True)
+            elif SPLIT_HALVES:
                 tl.debug_barrier()
                 w_hi = _dequant_w_swz_asm_half(packed, sb4, BLOCK_N, True)
             acc = tl.dot(w_hi.to(tl.bfloat16), tl.trans(a_odd.to(tl.bfloat16)), acc)
+            if FOLD_SYNC != 0:
+                acc = _opaque_f32(acc)
         elif DIAG == 2:  # probe: no MMA (isolates load + conversion cost)
             part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) + \
                 tl.sum(w_lo.to(tl.float32) + w_hi.to(tl.float32), axis=1)[:, None] + \

@@ -36,6 +36,11 @@ import torch
 
 from .moe_align import MoeAlignment
 
+# The folded swap body's ordering (the kernel's FOLD_SYNC; probes flip it): 0 converts the
+# odd-k half after the even-k MMA behind a barrier, 1 and 2 wait on each MMA through an opaque
+# use of the accumulator (session 17, under test).
+FOLD_SYNC = 0
+
 __all__ = ["GemmConfig", "select_config", "gemv_config", "mxfp4_grouped_gemm"]
 
 
@@ -345,7 +350,7 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
     if cfg.kind == "swap":
         _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, W_SWZ=swz, A_BF16=cfg.a_bf16,
                                               DIAG=cfg.diag, LOOP_UNROLL=cfg.unroll, FOLD_SA=cfg.fold_sa,
-                                              **common)
+                                              FOLD_SYNC=FOLD_SYNC if cfg.fold_sa else 0, **common)
     else:
         _mxfp4_gemv_kernel[grid](*args, UNROLL=cfg.unroll, **common)
     if split:

@@ -137,6 +137,7 @@ def compile_swap(consts: dict, num_warps: int = 4, maxnreg: int | None = None, k
 def config_constexprs(cfg, k: int, gather: bool) -> dict:
     """The constexprs mxfp4_grouped_gemm passes for GemmConfig `cfg` on a K-wide GEMM
     (mma64 weights, PDL early; keep in step with _launch_split and the tile launch)."""
+    from dsv4_moe.kernels import mxfp4_grouped_gemm as wrapper
     kb = -(-k // 128)
     splits = min(cfg.split_k, kb)
     kb_per = -(-kb // splits)
@@ -145,7 +146,8 @@ def config_constexprs(cfg, k: int, gather: bool) -> dict:
                 NUM_STAGES=cfg.num_stages, KB_PER=kb_per, SPLIT=splits > 1, SOFTWARE_BF16=False,
                 SELECT_SUBNORMAL=False, ASM=cfg.asm and (cfg.kind == "swap" or cfg.scale_bcast), W_SWZ=True,
                 A_BF16=cfg.a_bf16, DIAG=0, LOOP_UNROLL=cfg.unroll, PDL=1, FOLD_SA=cfg.fold_sa,
-                A_SPLIT=cfg.a_split, W_KN=cfg.w_kn, SCALE_BCAST=cfg.scale_bcast)
+                A_SPLIT=cfg.a_split, W_KN=cfg.w_kn, SCALE_BCAST=cfg.scale_bcast,
+                FOLD_SYNC=wrapper.FOLD_SYNC if cfg.fold_sa else 0)
 
 
 def default_configs():
