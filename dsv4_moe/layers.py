@@ -364,14 +364,12 @@ class DeepseekV4MoE(_NativeBuffers):
             extra = "".join([f", K split {cfg.split_k} ways" if cfg.split_k > 1 else "",
                              (", bf16 activation pairs (written by act_quant)" if gemm == "gate_up" else
                               ", bf16 activation pairs (written by swiglu_quant)") if cfg.a_bf16 else "",
-                             ", activation scale folded into the operand (one MMA chain over K)"
+                             (", activation scale folded into the operand (one MMA chain over K" +
+                              (", odd-k half converted after the even-k MMA)" if cfg.fold_order == "split" else
+                               ", each block's MMAs waited on)") if cfg.kind == "swap" else ")")
                              if cfg.fold_sa else
-                             ", per-128-block scaling (the folded swap body pays only on short K loops: "
-                             f"<= {rx.FOLD_SWAP_MAX_BLOCKS} blocks per program; DSV4_MOE_FOLD_SWAP=1 folds it)"
-                             if cfg.kind == "swap" and rx.FOLD_ACT_SCALE and rx.FOLD_SWAP == "auto" and
-                             self.routed.layout == "mma64" else
                              ", per-128-block scaling (DSV4_MOE_FOLD_SWAP=0)"
-                             if cfg.kind == "swap" and rx.FOLD_ACT_SCALE and rx.FOLD_SWAP == "off" and
+                             if cfg.kind == "swap" and rx.FOLD_ACT_SCALE and not rx.FOLD_SWAP and
                              self.routed.layout == "mma64" else "",
                              f", {cfg.maxnreg}-register cap" if cfg.maxnreg else "",
                              f", K loop unrolled {cfg.unroll}x" if cfg.unroll > 1 and cfg.kind == "swap" else

@@ -59,7 +59,8 @@ from ._triton_utils import pdl_enter, round_to_bf16
 
 @triton.jit
 def _opaque_f32(x):
-    """x itself, through inline PTX the compiler cannot see into: its MMA must have retired."""
+    """x itself, through inline PTX the compiler cannot see into, so the MMAs that produced x
+    must retire first (a wgmma wait) - the folded swap body's per-block fence."""
     return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
 
 
@@ -248,7 +249,7 @@ def _mxfp4_grouped_gemm_swap_kernel(
     LOOP_UNROLL: tl.constexpr = 1,  # Triton loop_unroll_factor of the K loop (GemmConfig.unroll)
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
     FOLD_SA: tl.constexpr = False,  # GemmConfig.fold_sa: the activation scale in the operand
-    FOLD_SYNC: tl.constexpr = 0,    # folded body's ordering: 0 barrier-split halves; 1 split, opaque acc; 2 whole, opaque acc
+    FOLD_WAIT: tl.constexpr = True,  # folded: wait on each block's MMAs (GemmConfig.fold_order "wait"), else "split"
 ):
     """Swapped operands: out^T[n, rows] = W[n, k] . A^T[k, rows]. The dequantised weight
     tile is the MMA's first operand (kept in registers on Hopper: no shared-memory round
@@ -301,14 +302,20 @@ def _mxfp4_grouped_gemm_swap_kernel(
     # per-element scale select of the masked load and its predicates were 44 of the 514
     # SASS instructions of the decode loop).
     K_MASKED: tl.constexpr = K % 128 != 0 or (SPLIT and (K // 128) % KB_PER != 0)
-    # NOTE: folded, the block's second MMA is still in flight when the next block's dequant
-    # runs, and ptxas before 13.3 (Triton 3.6 bundles 12.8) may put that dequant's results in
-    # the registers the MMA still reads (triton-lang/triton#9433): wrong, run-to-run different
-    # outputs on the H200 (session 16). So the folded body converts the odd-k half only after
-    # the even-k MMA, behind a barrier, which puts every write to those registers after the
-    # wgmma wait; scripts/sass_wgmma_hazard.py proves it on the compiled SASS (and
-    # tests/test_sass_wgmma_hazard.py for every config routed_configs returns).
-    SPLIT_HALVES: tl.constexpr = FOLD_SA and ASM and W_SWZ and DIAG == 0 and FOLD_SYNC != 2
+    # NOTE: folded, the block's second MMA used to stay in flight while the next block's
+    # dequant ran, and ptxas before 13.3 (Triton 3.6 bundles 12.8) may put that dequant's
+    # results in the registers the MMA still reads (triton-lang/triton#9433): wrong, run-to-run
+    # different outputs on the H200 (session 16). Two orderings keep every such write after
+    # the wgmma wait (scripts/sass_wgmma_hazard.py proves it on the SASS, tests/
+    # test_sass_wgmma_hazard.py for every config routed_configs returns):
+    #   FOLD_WAIT  both halves converted, both MMAs, then the accumulator through an opaque
+    #              move (_opaque_f32), so each block's MMAs retire before the loop goes on;
+    #   split      the odd-k half converted after the even-k MMA, behind tl.debug_barrier -
+    #              which also stops Triton pipelining the loop's loads (plain LDG + STS per
+    #              block, no cp.async in the SASS): 0.76-0.93x the per-block body on long K
+    #              loops, but the faster one on the 16-row Pro-TP8 down (3 blocks, unrolled).
+    # Bitwise the same outputs (same MMA chain); H200 timings in kernels/routed_experts.py.
+    SPLIT_HALVES: tl.constexpr = FOLD_SA and ASM and W_SWZ and DIAG == 0 and not FOLD_WAIT
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for j in tl.range(0, KB_PER, num_stages=NUM_STAGES, loop_unroll_factor=LOOP_UNROLL):
         kb = pid_k * KB_PER + j
@@ -357,14 +364,11 @@ def _mxfp4_grouped_gemm_swap_kernel(
             acc = tl.dot(w_hi, tl.trans(a_odd.to(tl.float32)), acc, input_precision="ieee")
         elif FOLD_SA:
             acc = tl.dot(w_lo.to(tl.bfloat16), tl.trans(a_even.to(tl.bfloat16)), acc)
-            if SPLIT_HALVES and FOLD_SYNC == 1:
-                acc = _opaque_f32(acc)
-                w_hi = _dequant_w_swz_asm_half(packed, sb4, BLOCK_N, True)
-            elif SPLIT_HALVES:
+            if SPLIT_HALVES:
                 tl.debug_barrier()
                 w_hi = _dequant_w_swz_asm_half(packed, sb4, BLOCK_N, True)
             acc = tl.dot(w_hi.to(tl.bfloat16), tl.trans(a_odd.to(tl.bfloat16)), acc)
-            if FOLD_SYNC != 0:
+            if FOLD_WAIT:
                 acc = _opaque_f32(acc)
         elif DIAG == 2:  # probe: no MMA (isolates load + conversion cost)
             part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) + \

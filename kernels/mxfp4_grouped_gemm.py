@@ -36,11 +36,6 @@ import torch
 
 from .moe_align import MoeAlignment
 
-# The folded swap body's ordering (the kernel's FOLD_SYNC; probes flip it): 0 converts the
-# odd-k half after the even-k MMA behind a barrier, 1 and 2 wait on each MMA through an opaque
-# use of the accumulator (session 17, under test).
-FOLD_SYNC = 0
-
 __all__ = ["GemmConfig", "select_config", "gemv_config", "mxfp4_grouped_gemm"]
 
 
@@ -98,6 +93,10 @@ class GemmConfig:
     # stages, unrolled or not: 10/10 reruns bitwise on two seeds, > 1 ulp off an fp64 product
     # on <= 0.0009 % of outputs (per-block body: <= 0.0004 %); the 3-4 stage race is gone.
     fold_sa: bool = False
+    # The folded swap body's ordering (see _mxfp4_grouped_gemm_swap_kernel): "wait" (both
+    # halves converted, both MMAs, a wait per block; the loads stay pipelined) or "split" (the
+    # odd half converted after the even MMA, behind a barrier; unpipelined loads). Same bits.
+    fold_order: str = "wait"
 
     def __post_init__(self) -> None:
         if self.kind not in ("tile", "swap", "gemv"):
@@ -117,6 +116,8 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.unroll={self.unroll!r}: expected an int >= 1 (1 for kind 'tile')")
         if self.fold_sa and self.kind == "gemv":
             raise ValueError(f"GemmConfig.fold_sa=True needs kind 'swap' or 'tile', got kind={self.kind!r}")
+        if self.fold_order not in ("wait", "split"):
+            raise ValueError(f"GemmConfig.fold_order={self.fold_order!r}: expected 'wait' or 'split'")
         if not isinstance(self.split_k, int) or self.split_k < 1 or (self.split_k > 1 and self.kind == "tile"):
             raise ValueError(f"GemmConfig.split_k={self.split_k!r}: expected an int >= 1 (1 for kind 'tile')")
 
@@ -350,7 +351,7 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
     if cfg.kind == "swap":
         _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, W_SWZ=swz, A_BF16=cfg.a_bf16,
                                               DIAG=cfg.diag, LOOP_UNROLL=cfg.unroll, FOLD_SA=cfg.fold_sa,
-                                              FOLD_SYNC=FOLD_SYNC if cfg.fold_sa else 0, **common)
+                                              FOLD_WAIT=cfg.fold_order == "wait", **common)
     else:
         _mxfp4_gemv_kernel[grid](*args, UNROLL=cfg.unroll, **common)
     if split:

@@ -56,8 +56,8 @@ __all__ = ["routed_experts_forward", "routed_configs", "pairs_mode"]
 SWIGLU_ROUTE_LIST_MIN_ROUTES = 12
 
 # The routed GEMMs can take their activation scale folded into the bf16 operand
-# (GemmConfig.fold_sa; act_quant / swiglu_quant write "scaled pairs"): by default the tile
-# (prefill) GEMMs do, the swap GEMMs only with FOLD_SWAP (see the end of this note). False (env
+# (GemmConfig.fold_sa; act_quant / swiglu_quant write "scaled pairs"): by default all of them
+# do (the swap GEMMs since session 17, see the end of this note; DSV4_MOE_FOLD_SWAP=0 not). False (env
 # DSV4_MOE_FOLD_ACT_SCALE=0) restores the per-block `acc += part * sa` body, whose sums
 # follow SPEC §4.3 more closely (A/B: scripts/gpu_profile_layer.py --ab
 # dsv4_moe.kernels.routed_experts.FOLD_ACT_SCALE=,1 - an empty value is False).
@@ -105,33 +105,32 @@ SWIGLU_ROUTE_LIST_MIN_ROUTES = 12
 # after the even-k MMA, behind a barrier (kernels/_mxfp4_grouped_gemm.py): 0 hazards in every
 # config, checked by tests/test_sass_wgmma_hazard.py.
 # NOTE (session 17, that body on the H200: docs/bench/2026-11-29/session17/probe_fold32_*_d97206c.txt,
-# probe_foldsa_d97206c.txt): exact at 2-4 stages (10/10 reruns bitwise, two seeds), but the
-# serialised halves cost the overlap the fold was for. Per-block -> folded, us: it pays on
-# short K loops - Pro-TP8 down (K = 384, 3 blocks) T=4 21.7 -> 19.5, T=16 69.3 -> 63.8, T=64
-# 187.2 -> 170.5, T=256 295.1 -> 269.7, T=1024 428.4 -> 364.8, T=4096 (32 rows, unroll 2)
-# 1124.9 -> 875.8; the split-K decode gate_up (7-8 blocks per program) Pro-TP8 T=1 18.6 ->
-# 15.3, T=4 46.4 -> 44.2, Flash T=1 37.2 -> 35.0 - and loses on long ones: Flash gate_up
-# (32 blocks) T=4 95.4 -> 119.5, T=16 284.6 -> 334.9, T=1024 (32 rows) 1244.0 -> 1404.3;
-# Flash down (16 blocks) T=4 53.5 -> 58.1, T=1024 606.2 -> 722.5; Pro-TP8 gate_up (56
-# blocks) T=16 113.5 -> 113.7, T=1024 571.7 -> 750.0. So by default (FOLD_SWAP "auto") a
-# swap GEMM folds when each program runs at most FOLD_SWAP_MAX_BLOCKS 128-blocks of K;
-# DSV4_MOE_FOLD_SWAP=1 folds every swap GEMM, =0 none. The tile GEMMs fold by default:
-# the measured gains above, and no register-operand hazard.
-FOLD_SWAP_MAX_BLOCKS = 8
+# probe_foldsa_d97206c.txt): exact at 2-4 stages (10/10 reruns bitwise, two seeds), but slower
+# than the per-block body on long K loops (Flash gate_up T=16 284.6 -> 334.9 us, T=1024 1244.0
+# -> 1404.3) and faster on short ones (Pro-TP8 down T=1024 428.4 -> 364.8). The SASS says why:
+# the barrier stops Triton pipelining the loop's loads (plain LDG + STS per block, no cp.async).
+# So a second ordering, GemmConfig.fold_order "wait": both halves converted, both MMAs, then
+# the accumulator through an opaque move, which makes each block's MMAs retire before the loop
+# goes on - hazard-free in SASS, loads pipelined, 426 instead of 484 SASS per 128-k step (Flash
+# gate_up T=16), 151 instead of 216 registers (32-row). Same bits as "split" (5 reruns each).
+# H200 (probe_foldsa_syncs_a1037d2.txt, graphs, us, per-block / "split" / "wait"):
+#   Flash gate_up T=1 (split 4) 37.2 / 34.8 / 31.3, T=4 93.5 / 116.0 / 87.3, T=16 294.9 /
+#     367.4 / 274.6, T=64 680.2 / 829.3 / 622.3, T=256 850.0 / 1072.9 / 767.4, T=1024 (32
+#     rows) 1225.8 / 1389.7 / 929.2
+#   Flash down T=1 21.3 / 20.8 / 20.6, T=4 53.0 / 56.9 / 49.1, T=16 147.2 / 170.2 / 138.3,
+#     T=64 344.3 / 394.9 / 315.1, T=256 426.6 / 521.5 / 389.8, T=1024 605.3 / 715.9 / 540.0
+#   Pro-TP8 gate_up T=1 (split 8) 18.5 / 15.3 / 15.2, T=4 46.5 / 43.7 / 37.6, T=16 111.0 /
+#     113.7 / 105.2, T=64 262.8 / 307.4 / 245.2, T=256 413.0 / 536.3 / 387.8, T=1024 565.6 /
+#     744.3 / 529.4, T=4096 (32 rows) 1300.9 / 1603.6 / 987.7
+#   Pro-TP8 down (K = 384: 3 blocks, unrolled) T=1 7.87 / 7.86 / 7.75, T=4 21.3 / 19.1 /
+#     19.6, T=16 69.4 / 63.6 / 65.1, T=64 178.6 / 163.0 / 166.9, T=256 290.6 / 266.5 /
+#     275.6, T=1024 417.7 / 357.3 / 409.2, T=4096 (32 rows) 1096.5 / 855.8 / 811.7
+# So every swap GEMM folds: "split" for 16-row blocks over at most SPLIT_ORDER_MAX_BLOCKS K
+# blocks (nothing to pipeline), "wait" otherwise. DSV4_MOE_FOLD_SWAP=0 keeps the swap GEMMs
+# per-block; the tile GEMMs fold as above (no register operand, no hazard).
+SPLIT_ORDER_MAX_BLOCKS = 4
 FOLD_ACT_SCALE = os.environ.get("DSV4_MOE_FOLD_ACT_SCALE", "1").strip() not in ("0", "", "false", "off")
-
-
-def _fold_swap_mode(value: str) -> str:
-    """DSV4_MOE_FOLD_SWAP -> "auto" (unset or "auto"), "all" (1/on/true/all), "off" (0/off/false)."""
-    v = value.strip().lower()
-    for mode, spellings in (("auto", ("auto",)), ("all", ("1", "on", "true", "all")), ("off", ("0", "off", "false"))):
-        if v in spellings:
-            return mode
-    raise ValueError(f"DSV4_MOE_FOLD_SWAP={value!r}: expected auto (default), 1 (fold every swap GEMM) "
-                     f"or 0 (none)")
-
-
-FOLD_SWAP = _fold_swap_mode(os.environ.get("DSV4_MOE_FOLD_SWAP", "auto"))
+FOLD_SWAP = os.environ.get("DSV4_MOE_FOLD_SWAP", "1").strip() not in ("0", "", "false", "off")
 
 
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
@@ -142,14 +141,12 @@ def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmCo
 
 @functools.lru_cache(maxsize=4096)
 def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str, fold: bool,
-                    fold_swap: str) -> tuple[GemmConfig, GemmConfig]:
+                    fold_swap: bool) -> tuple[GemmConfig, GemmConfig]:
     """routed_configs on the shapes and the module switches it reads (memoised: an eager
     forward asks twice, ~70 us of host time each on the H200's host before)."""
     up, down = _base_configs(num_routes, num_local, i, h, layout)
-    rows = num_routes / max(num_local, 1)
     if fold and layout == "mma64":
-        up = _fold(up, h, fold_swap)
-        down = _fold(down, i, fold_swap, skip=i <= 1024 and rows < 0.05)
+        up, down = _fold(up, h, fold_swap), _fold(down, i, fold_swap)
     return up, down
 
 
@@ -241,21 +238,19 @@ def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str) 
     return up, down
 
 
-def _fold(cfg: GemmConfig, k: int, fold_swap: str, skip: bool = False) -> GemmConfig:
-    """cfg with the activation scale folded into the operand (tile bodies; swap bodies per
-    `fold_swap`: "all", "off", or "auto" - at most FOLD_SWAP_MAX_BLOCKS K blocks per
-    program; whole 128-blocks only), unless `skip`."""
-    if skip or cfg.kind == "gemv" or k % 128:
+def _fold(cfg: GemmConfig, k: int, fold_swap: bool) -> GemmConfig:
+    """cfg with the activation scale folded into the operand (tile bodies; swap bodies with
+    `fold_swap`; whole 128-blocks only)."""
+    if cfg.kind == "gemv" or k % 128 or (cfg.kind == "swap" and not fold_swap):
         return cfg
-    if cfg.kind == "swap" and (fold_swap == "off" or fold_swap == "auto" and
-                               -(-(k // 128) // cfg.split_k) > FOLD_SWAP_MAX_BLOCKS):
-        return cfg
-    return fold_config(cfg)
+    return fold_config(cfg, k)
 
 
-def fold_config(cfg: GemmConfig) -> GemmConfig:
-    """The folded twin of a swap / tile config (GemmConfig.fold_sa)."""
-    return dataclasses.replace(cfg, fold_sa=True)
+def fold_config(cfg: GemmConfig, k: int) -> GemmConfig:
+    """The folded twin of a swap / tile config over a K-wide reduction (GemmConfig.fold_sa),
+    with the swap body's ordering the H200 measured faster (see FOLD_SWAP's note)."""
+    short = cfg.block_m == 16 and -(-(k // 128) // cfg.split_k) <= SPLIT_ORDER_MAX_BLOCKS
+    return dataclasses.replace(cfg, fold_sa=True, fold_order="split" if cfg.kind == "swap" and short else "wait")
 
 
 def pairs_mode(cfg: GemmConfig) -> "bool | str":

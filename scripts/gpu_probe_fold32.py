@@ -13,8 +13,10 @@ folded 32-row body at 3 and 4 pipeline stages was wrong and non-deterministic (u
 ulps, 0.05-0.5 % of outputs > 1 ulp); at 2 stages, unrolled twice or on the fp8 operand it
 equalled the folded 16-row body and the folded tile bit for bit. The cause was ptxas < 13.3
 reusing the in-flight wgmma's A registers (scripts/sass_wgmma_hazard.py). Since 933a6cc the
-folded swap body converts the odd-k half after the even-k MMA, so the "fold" variants here
-now run that body: the next run says whether 3-4 stages are exact with it, and how fast.
+folded swap body converts the odd-k half after the even-k MMA (GemmConfig.fold_order
+"split"); run d97206c (docs/bench/2026-11-29/session17/): exact and deterministic at 2-4
+stages. Since session 17 the "fold" variants run the default ordering "wait" (each block's
+MMAs waited on through the accumulator), the "split" ones the barrier ordering.
 """
 import argparse
 import dataclasses
@@ -90,36 +92,32 @@ def ulps(v, ref):
     return (v.double() - ref).abs() / spacing
 
 
-def racy(cfg, num_stages):
-    """cfg at `num_stages`, past GemmConfig's guard against the folded 32-row swap body at 3-4
-    stages (on purpose: this probe re-tests it, e.g. on a new Triton)."""
-    object.__setattr__(cfg, "num_stages", num_stages)
-    return cfg
-
-
 def variants(gemm="gate_up"):
     base32 = GemmConfig(32, 128, 4, 3, kind="swap", asm=True, a_bf16=True)
+    b16 = GemmConfig(16, 128, 4, 4, kind="swap", asm=True, a_bf16=True)
     if gemm == "down":
         u2 = dataclasses.replace(base32, unroll=2)
         return {
             "per-block 32 unroll 2": u2,
             "fold 32 unroll 2": dataclasses.replace(u2, fold_sa=True),
-            "fold 32 stages 2 unroll 2": dataclasses.replace(u2, fold_sa=True, num_stages=2),
+            "fold 32 unroll 2 split": dataclasses.replace(u2, fold_sa=True, fold_order="split"),
             "fold 32 stages 2": dataclasses.replace(base32, fold_sa=True, num_stages=2),
-            "fold 32": racy(dataclasses.replace(base32, fold_sa=True, num_stages=2), 3),
-            "per-block 16": GemmConfig(16, 128, 4, 4, kind="swap", asm=True, a_bf16=True),
-            "fold 16": GemmConfig(16, 128, 4, 4, kind="swap", asm=True, a_bf16=True, fold_sa=True),
+            "fold 32": dataclasses.replace(base32, fold_sa=True),
+            "per-block 16": b16,
+            "fold 16": dataclasses.replace(b16, fold_sa=True),
+            "fold 16 split": dataclasses.replace(b16, fold_sa=True, fold_order="split"),
         }
     return {
         "per-block 32": base32,
-        "fold 32": racy(dataclasses.replace(base32, fold_sa=True, num_stages=2), 3),
+        "fold 32": dataclasses.replace(base32, fold_sa=True),
+        "fold 32 split": dataclasses.replace(base32, fold_sa=True, fold_order="split"),
         "fold 32 stages 2": dataclasses.replace(base32, fold_sa=True, num_stages=2),
-        "fold 32 stages 4": racy(dataclasses.replace(base32, fold_sa=True, num_stages=2), 4),
+        "fold 32 stages 4": dataclasses.replace(base32, fold_sa=True, num_stages=4),
         "fold 32 unroll 2": dataclasses.replace(base32, fold_sa=True, unroll=2),
-        "fold 32 stages 2 unroll 2": dataclasses.replace(base32, fold_sa=True, num_stages=2, unroll=2),
         "fold 32 fp8 operand": dataclasses.replace(base32, fold_sa=True, a_bf16=False),
-        "per-block 16": GemmConfig(16, 128, 4, 4, kind="swap", asm=True, a_bf16=True),
-        "fold 16": GemmConfig(16, 128, 4, 4, kind="swap", asm=True, a_bf16=True, fold_sa=True),
+        "per-block 16": b16,
+        "fold 16": dataclasses.replace(b16, fold_sa=True),
+        "fold 16 split": dataclasses.replace(b16, fold_sa=True, fold_order="split"),
         "fold 64 tile": GemmConfig(64, 128, 4, 3, asm=True, a_bf16=True, fold_sa=True),
         "per-block 64 tile": GemmConfig(64, 128, 4, 3, asm=True, a_bf16=True),
     }

@@ -6,14 +6,15 @@ differ between the two (both are checked against the reference by gpu_check_laye
 
     OUT=./out python3 scripts/gpu_probe_foldsa.py [--ts 1,4,16,64]        (decode: swap bodies)
     OUT=./out python3 scripts/gpu_probe_foldsa.py --ts 256,1024,4096,8192 (32-row swap and tile bodies)
-    OUT=./out python3 scripts/gpu_probe_foldsa.py --syncs 0,2   (the folded swap body per ordering,
-                                         mxfp4_grouped_gemm.FOLD_SYNC; each checked bitwise against
-                                         the first over 5 reruns)
+    OUT=./out python3 scripts/gpu_probe_foldsa.py --orders wait,split   (the folded swap body in
+                                         each GemmConfig.fold_order; each checked bitwise against the
+                                         first over 5 reruns)
 
 Each GEMM: its config with fold_sa off against routed_experts.fold_config of it (the folded
-twin: since session 16 the swap body converts the odd-k half after the even-k MMA, and a
-32-row swap runs 2 stages). Session 15/16 timings of the swap bodies were of the earlier
-folded body, which ptxas < 13.3 made unsafe (scripts/sass_wgmma_hazard.py).
+twin), and with --orders the folded swap body in each ordering. Session 15/16 timings of the
+swap bodies were of the earlier folded body, which ptxas < 13.3 made unsafe
+(scripts/sass_wgmma_hazard.py); session 17's (probe_foldsa_syncs_a1037d2.txt) of "split"
+(then FOLD_SYNC 0) and "wait" (FOLD_SYNC 2).
 
 (Session 15 first measured an experimental copy of the kernel fed unscaled pairs, commit
 955a6d2 + scripts/_mx_foldsa_exp.py, docs/bench/2026-11-29/session15/probe_foldsa_exp.txt.)
@@ -28,7 +29,6 @@ from dsv4_moe import DeepseekV4MoE, MoEConfig  # noqa: E402
 from dsv4_moe.bench.timing import time_sets  # noqa: E402
 from dsv4_moe.kernels.act_quant import act_quant  # noqa: E402
 from dsv4_moe.kernels.moe_align import moe_align  # noqa: E402
-from dsv4_moe.kernels import mxfp4_grouped_gemm as wrapper  # noqa: E402
 from dsv4_moe.kernels.mxfp4_grouped_gemm import bf16_pairs, mxfp4_grouped_gemm  # noqa: E402
 from dsv4_moe.kernels.routed_experts import fold_config, routed_configs  # noqa: E402
 from dsv4_moe.kernels.router import route_topk  # noqa: E402
@@ -43,9 +43,9 @@ def graph_us(fn):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ts", default="1,4,16,64")
-    ap.add_argument("--syncs", default=str(wrapper.FOLD_SYNC))
+    ap.add_argument("--orders", default="", help="fold_order values to time (default: fold_config's)")
     args = ap.parse_args()
-    syncs = [int(v) for v in args.syncs.split(",")]
+    orders = [v for v in args.orders.split(",") if v]
     out = os.environ.get("OUT", "./out")
     lines = []
     cfgs = {"flash": MoEConfig.flash(), "pro-tp8": MoEConfig.pro().replace(moe_intermediate_size=384, name="pro-tp8-rank")}
@@ -80,24 +80,23 @@ def main():
                     lines.append(f"{name} T={t} {gemm}: kind gemv, skipped")
                     continue
                 res = {}
-                cfgs_ab = {False: dataclasses.replace(cfg_g, fold_sa=False), True: fold_config(cfg_g)}
-                variants = [(False, 0)] + [(True, v) for v in (syncs if cfg_g.kind == "swap" else syncs[:1])]
-
-                def run(fold, sync):
-                    wrapper.FOLD_SYNC = sync
-                    return call(cfgs_ab[fold])
+                twin = fold_config(cfg_g, r.hidden if gemm == "gate_up" else r.intermediate)
+                variants = {"per-block": dataclasses.replace(cfg_g, fold_sa=False)}
+                for o in (orders if cfg_g.kind == "swap" and orders else [twin.fold_order]):
+                    variants[f"folded ({o})"] = dataclasses.replace(twin, fold_order=o)
                 for _ in range(2):
-                    for v in variants:
-                        res.setdefault(v, []).append(graph_us(lambda: run(*v)))
+                    for v, c in variants.items():
+                        res.setdefault(v, []).append(graph_us(lambda: call(c)))
                 rows = align.route_rows.long() if gemm == "gate_up" else slice(None)
-                outs = {v: run(*v).float()[rows] for v in variants}
-                first = variants[1]
-                same = {v: all(torch.equal(run(*v).float()[rows], outs[first]) for _ in range(5)) for v in variants[1:]}
-                differ = (outs[variants[0]] != outs[first]).float().mean().item()
-                base = min(res[variants[0]])
-                folded = ", ".join(f"folded (sync {v[1]}) {min(res[v]):.2f} us x{base / min(res[v]):.3f}"
-                                   f"{'' if same[v] else ' NOT BITWISE sync ' + str(first[1]) + ' / its reruns'}"
-                                   for v in variants[1:])
+                outs = {v: call(c).float()[rows] for v, c in variants.items()}
+                names = list(variants)
+                same = {v: all(torch.equal(call(variants[v]).float()[rows], outs[names[1]]) for _ in range(5))
+                        for v in names[1:]}
+                differ = (outs[names[0]] != outs[names[1]]).float().mean().item()
+                base = min(res[names[0]])
+                folded = ", ".join(f"{v} {min(res[v]):.2f} us x{base / min(res[v]):.3f}"
+                                   f"{'' if same[v] else ' NOT BITWISE ' + names[1] + ' / its reruns'}"
+                                   for v in names[1:])
                 lines.append(f"{name} T={t} {gemm} ({cfg_g.kind} {cfg_g.block_m}x{cfg_g.block_n}, split {cfg_g.split_k}, "
                              f"pairs {cfg_g.a_bf16}, cap {cfg_g.maxnreg}, unroll {cfg_g.unroll}, default fold "
                              f"{cfg_g.fold_sa}): per-block {base:.2f} us, {folded}; {differ:.3%} of outputs "

@@ -15,7 +15,7 @@ first full wait (`WARPGROUP.DEPBAR.LE gsb0, 0x0`). Any other instruction on such
 writes the HGMMA's A or accumulator registers is a hazard.
 
     python scripts/sass_wgmma_hazard.py               # every config routed_configs returns (Flash, Pro-TP8,
-                                                      # swap fold auto and all); exit 1 on any hazard
+                                                      # swap fold on and off); exit 1 on any hazard
     python scripts/sass_wgmma_hazard.py --variants    # session 16's folded / per-block swap variants
     python scripts/sass_wgmma_hazard.py --self-test   # the check still finds session 15's hazard
 
@@ -137,7 +137,6 @@ def compile_swap(consts: dict, num_warps: int = 4, maxnreg: int | None = None, k
 def config_constexprs(cfg, k: int, gather: bool) -> dict:
     """The constexprs mxfp4_grouped_gemm passes for GemmConfig `cfg` on a K-wide GEMM
     (mma64 weights, PDL early; keep in step with _launch_split and the tile launch)."""
-    from dsv4_moe.kernels import mxfp4_grouped_gemm as wrapper
     kb = -(-k // 128)
     splits = min(cfg.split_k, kb)
     kb_per = -(-kb // splits)
@@ -147,7 +146,7 @@ def config_constexprs(cfg, k: int, gather: bool) -> dict:
                 SELECT_SUBNORMAL=False, ASM=cfg.asm and (cfg.kind == "swap" or cfg.scale_bcast), W_SWZ=True,
                 A_BF16=cfg.a_bf16, DIAG=0, LOOP_UNROLL=cfg.unroll, PDL=1, FOLD_SA=cfg.fold_sa,
                 A_SPLIT=cfg.a_split, W_KN=cfg.w_kn, SCALE_BCAST=cfg.scale_bcast,
-                FOLD_SYNC=wrapper.FOLD_SYNC if cfg.fold_sa else 0)
+                FOLD_WAIT=cfg.fold_order == "wait")
 
 
 def default_configs():
@@ -177,17 +176,19 @@ def session16_variants():
     b16 = GemmConfig(16, 128, 4, 4, kind="swap", asm=True, a_bf16=True)
     out = []
     for label, cfg in (("per-block 32 s3", dataclasses.replace(b32, num_stages=3)),
-                       ("fold 32 s2", dataclasses.replace(b32, fold_sa=True)),
-                       ("fold 32 s2 u2", dataclasses.replace(b32, fold_sa=True, unroll=2)),
+                       ("fold 32 s2 split", dataclasses.replace(b32, fold_sa=True, fold_order="split")),
+                       ("fold 32 s2 u2 split", dataclasses.replace(b32, fold_sa=True, unroll=2, fold_order="split")),
+                       ("fold 32 s3 split", dataclasses.replace(b32, num_stages=3, fold_sa=True, fold_order="split")),
+                       ("fold 32 s3 wait", dataclasses.replace(b32, num_stages=3, fold_sa=True)),
                        ("per-block 16 s4 cap128", dataclasses.replace(b16, maxnreg=128)),
-                       ("fold 16 s4 cap128", dataclasses.replace(b16, maxnreg=128, fold_sa=True)),
-                       ("fold 16 s4", dataclasses.replace(b16, fold_sa=True))):
+                       ("fold 16 s4 cap128 split", dataclasses.replace(b16, maxnreg=128, fold_sa=True, fold_order="split")),
+                       ("fold 16 s4 cap128 wait", dataclasses.replace(b16, maxnreg=128, fold_sa=True)),
+                       ("fold 16 s4 wait", dataclasses.replace(b16, fold_sa=True))):
         out.append((label, cfg, 4096, True, {}))
-    out.append(("fold 32 s3", dataclasses.replace(b32, num_stages=3, fold_sa=True), 4096, True, {}))
-    # the body session 15 shipped: both halves converted before the first MMA (still what a
-    # folded launch on "nk" weights would compile; the wrapper refuses it on CUDA)
-    out.append(("fold 16 s4 cap128, unsplit", dataclasses.replace(b16, maxnreg=128, fold_sa=True), 4096, True,
-                {"W_SWZ": False}))
+    # the body session 15 shipped: both halves converted before the first MMA, no wait (still
+    # what a folded "split" launch on "nk" weights would compile; the wrapper refuses it on CUDA)
+    out.append(("fold 16 s4 cap128, unsplit", dataclasses.replace(b16, maxnreg=128, fold_sa=True, fold_order="split"),
+                4096, True, {"W_SWZ": False}))
     return out
 
 
@@ -201,7 +202,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", action="store_true", help="session 16's folded / per-block swap variants")
     ap.add_argument("--self-test", action="store_true",
-                    help="exit 1 unless the unsplit folded body shows hazards and the split one none")
+                    help="exit 1 unless the unsplit folded body shows hazards and the split and wait ones none")
     ap.add_argument("--show", type=int, default=2, help="hazards printed per config")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -213,22 +214,23 @@ def main():
     else:
         from dsv4_moe.kernels import routed_experts as rx
         keyed = {}
-        for fold_swap in ("auto", "all"):  # the default and DSV4_MOE_FOLD_SWAP=1
+        for fold_swap in (True, False):  # the default and DSV4_MOE_FOLD_SWAP=0
             rx.FOLD_SWAP = fold_swap
             for label, cfg, k, gather in default_configs():
-                keyed.setdefault((cfg, k, gather), label + (" (FOLD_SWAP=1)" if fold_swap == "all" else ""))
+                keyed.setdefault((cfg, k, gather), label + ("" if fold_swap else " (FOLD_SWAP=0)"))
         rows = [(label, cfg, k, gather, {}) for (cfg, k, gather), label in keyed.items()]
     result = {}
     for label, cfg, k, gather, extra in rows:
         found, regs = _row(label, cfg, k, gather, extra)
         result[label] = found
         print(f"{label:34s} {cfg.kind:4s} {cfg.block_m:3d}x{cfg.block_n} stages {cfg.num_stages} unroll {cfg.unroll} "
-              f"cap {cfg.maxnreg} pairs {cfg.a_bf16!s:5s} fold {cfg.fold_sa!s:5s} K={k:5d}: "
+              f"cap {cfg.maxnreg} pairs {cfg.a_bf16!s:5s} fold {('-' if not cfg.fold_sa else cfg.fold_order if cfg.kind == 'swap' else 'on'):5s} K={k:5d}: "
               f"{len(found):4d} hazards, {regs} registers")
         for h in found[:args.show]:
             print(f"    {h}")
     if args.self_test:
-        ok = bool(result["fold 16 s4 cap128, unsplit"]) and not result["fold 16 s4 cap128"]
+        ok = (bool(result["fold 16 s4 cap128, unsplit"]) and not result["fold 16 s4 cap128 split"]
+              and not result["fold 16 s4 cap128 wait"])
         print("self-test", "ok" if ok else "FAILED")
         return 0 if ok else 1
     if args.variants:

@@ -439,7 +439,7 @@ def test_mma64_guards_and_select_config():
     for t, bm in ((512, 16), (1024, 16), (2048, 32)):
         up, down = routed_configs(t * 6, pro_tp8)
         assert (up.kind, up.block_m, up.a_bf16, up.unroll, up.maxnreg) == ("swap", bm, True, 1, None), (t, up)
-        assert down == dataclasses.replace(up, unroll=2), (t, down)
+        assert down == dataclasses.replace(up, unroll=2, fold_order=down.fold_order), (t, down)
     # session 12: the band runs to 96 rows per expert (T = 4096); the tile (fp8) above it
     up, down = routed_configs(4096 * 6, pro_tp8)
     assert (up.kind, up.block_m, up.a_bf16, down.unroll) == ("swap", 32, True, 2) and down.a_bf16, (up, down)
@@ -659,27 +659,27 @@ def test_fold_sa_vs_reference(kind, a_bf16, split):
 
 
 def test_fold_sa_guards_and_routed_configs(monkeypatch):
-    """fold_sa needs the swap body and the right pairs; routed_configs folds the tile GEMMs
-    of the mma64 layout and, by default, the swap GEMMs whose programs run at most
-    FOLD_SWAP_MAX_BLOCKS K blocks (Pro-TP8 down, the split-K decode gate_up); with
-    DSV4_MOE_FOLD_SWAP=1 every swap GEMM, with =0 none; never the short-K down below 0.05
-    rows per expert."""
+    """fold_sa needs the swap body and the right pairs; routed_configs folds every swap and
+    tile GEMM of the mma64 layout (the swap ones in the "split" order on 16-row blocks over
+    at most SPLIT_ORDER_MAX_BLOCKS K blocks, else "wait"); DSV4_MOE_FOLD_SWAP=0 keeps the
+    swap GEMMs per-block."""
     from dsv4_moe.kernels import routed_experts as rx
     from dsv4_moe.kernels.act_quant import act_quant
     from dsv4_moe.weights.tensors import RoutedExpertWeights
 
     with pytest.raises(ValueError, match="fold_sa=True needs kind 'swap' or 'tile'"):
         GemmConfig(1, 64, kind="gemv", fold_sa=True)
-    # the split-dequant body: exact at 2-4 stages on the H200 (session 17), so all accepted
-    GemmConfig(32, 128, 4, 3, kind="swap", a_bf16=True, fold_sa=True)
+    with pytest.raises(ValueError, match="GemmConfig.fold_order='late': expected 'wait' or 'split'"):
+        GemmConfig(16, 128, kind="swap", fold_sa=True, fold_order="late")
+    # both orderings are exact at 2-4 stages on the H200 (session 17), so all accepted
+    GemmConfig(32, 128, 4, 3, kind="swap", a_bf16=True, fold_sa=True, fold_order="split")
     GemmConfig(16, 128, 4, 4, kind="swap", a_bf16=True, fold_sa=True)
-    assert rx.fold_config(GemmConfig(32, 128, 4, 3, kind="swap", a_bf16=True)) == \
-        GemmConfig(32, 128, 4, 3, kind="swap", a_bf16=True, fold_sa=True)
-    assert rx.fold_config(GemmConfig(64, 128, 4, 3, a_bf16=True)) == GemmConfig(64, 128, 4, 3, a_bf16=True, fold_sa=True)
-    assert rx._fold_swap_mode(" AUTO ") == "auto" and rx._fold_swap_mode("1") == "all"
-    assert rx._fold_swap_mode("off") == "off"
-    with pytest.raises(ValueError, match=r"DSV4_MOE_FOLD_SWAP='yes': expected auto \(default\), 1"):
-        rx._fold_swap_mode("yes")
+    assert rx.fold_config(GemmConfig(32, 128, 4, 3, kind="swap", a_bf16=True), 384) == \
+        GemmConfig(32, 128, 4, 3, kind="swap", a_bf16=True, fold_sa=True, fold_order="wait")
+    assert rx.fold_config(GemmConfig(16, 128, 4, 4, kind="swap"), 512).fold_order == "split"   # 4 blocks
+    assert rx.fold_config(GemmConfig(16, 128, 4, 4, kind="swap"), 640).fold_order == "wait"    # 5 blocks
+    assert rx.fold_config(GemmConfig(16, 128, 4, 4, kind="swap", split_k=8), 7168).fold_order == "wait"
+    assert rx.fold_config(GemmConfig(64, 128, 4, 3, a_bf16=True), 384) == GemmConfig(64, 128, 4, 3, a_bf16=True, fold_sa=True)
     g = torch.Generator().manual_seed(5)
     w, s = _weights(4, 128, 256, g)
     q, sa, p = act_quant(torch.randn(2, 256, generator=g).bfloat16(), pairs=True)
@@ -699,32 +699,27 @@ def test_fold_sa_guards_and_routed_configs(monkeypatch):
                                    shaped(e, h, i // 2), shaped(e, h, i // 32, dtype=torch.float8_e8m0fnu),
                                    0, e, "mma64")
     flash, pro = routed(256, 4096, 2048), routed(384, 7168, 384)
-    assert rx.FOLD_SWAP == "auto"
-    # default: (T, gate_up kind, gate_up folded, down folded); K blocks per program in the comment
-    for r, t, kinds, up_fold, down_fold in (
-            (flash, 1, "swap", True, False),      # gate_up split 4 ways: 8 blocks; down 16
-            (flash, 4, "swap", False, False),     # 32 / 16 blocks
-            (flash, 16, "swap", False, False), (flash, 1024, "swap", False, False),
-            (flash, 4096, "tile", True, True), (flash, 8192, "tile", True, True),
-            (pro, 1, "swap", True, False),        # split 8: 7 blocks; down below 0.05 rows: skipped
-            (pro, 4, "swap", True, True),         # split 8: 7 blocks; down K = 384: 3 blocks
-            (pro, 16, "swap", False, True), (pro, 1024, "swap", False, True),
-            (pro, 4096, "swap", False, True), (pro, 8192, "tile", True, True)):
+    assert rx.FOLD_SWAP is True
+    # default: (T, gate_up kind, gate_up order, down order)
+    for r, t, kind, up_order, down_order in (
+            (flash, 1, "swap", "wait", "wait"), (flash, 4, "swap", "wait", "wait"),
+            (flash, 16, "swap", "wait", "wait"), (flash, 1024, "swap", "wait", "wait"),
+            (flash, 4096, "tile", "wait", "wait"), (flash, 8192, "tile", "wait", "wait"),
+            (pro, 1, "swap", "wait", "split"),       # down: 16 rows, K = 384 (3 blocks)
+            (pro, 4, "swap", "wait", "split"), (pro, 16, "swap", "wait", "split"),
+            (pro, 1024, "swap", "wait", "split"),
+            (pro, 4096, "swap", "wait", "wait"),     # 32-row blocks
+            (pro, 8192, "tile", "wait", "wait")):
         up, down = rx.routed_configs(t * 6, r)
-        assert (up.kind, up.fold_sa, down.fold_sa) == (kinds, up_fold, down_fold), (r.hidden, t, up, down)
-        assert rx.pairs_mode(up) == (("scaled" if up.fold_sa else True) if up.a_bf16 else False)
-    monkeypatch.setattr(rx, "FOLD_SWAP", "all")
-    for r, t, up_fold, down_fold in ((flash, 1, True, True), (flash, 16, True, True), (flash, 64, True, True),
-                                     (flash, 256, True, True), (flash, 1024, True, True),
-                                     (flash, 8192, True, True), (pro, 1, True, False), (pro, 4, True, True),
-                                     (pro, 64, True, True), (pro, 1024, True, True), (pro, 4096, True, True),
-                                     (pro, 8192, True, True)):
-        up, down = rx.routed_configs(t * 6, r)
-        assert (up.fold_sa, down.fold_sa) == (up_fold, down_fold), (r.hidden, t, up, down)
-        assert rx.pairs_mode(up) == (("scaled" if up.fold_sa else True) if up.a_bf16 else False)
-    monkeypatch.setattr(rx, "FOLD_SWAP", "off")
+        assert (up.kind, up.fold_sa, down.fold_sa, up.fold_order, down.fold_order) == \
+            (kind, True, True, up_order, down_order), (r.hidden, t, up, down)
+        assert rx.pairs_mode(up) == ("scaled" if up.a_bf16 else False)
+    monkeypatch.setattr(rx, "FOLD_SWAP", False)
     for r, t in ((flash, 1), (flash, 16), (flash, 1024), (pro, 4), (pro, 1024), (pro, 4096)):  # swap bodies
         assert not any(c.fold_sa for c in rx.routed_configs(t * 6, r)), (r.hidden, t)
+        assert rx.pairs_mode(rx.routed_configs(t * 6, r)[0]) in (True, False)
+    for r, t in ((flash, 4096), (pro, 8192)):  # tile bodies fold still
+        assert all(c.fold_sa for c in rx.routed_configs(t * 6, r))
     nk = dataclasses.replace(flash, layout="nk")
     assert not any(c.fold_sa for c in rx.routed_configs(16 * 6, nk))
 
@@ -744,9 +739,8 @@ def test_fold_switch_reaches_memoised_configs(monkeypatch):
 
 
 def test_fold_swap_switch(monkeypatch):
-    """FOLD_SWAP (DSV4_MOE_FOLD_SWAP; "auto" by default: short K loops only) reaches the
-    memoised configs: the Flash T = 1024 32-row GEMMs (32 and 16 K blocks) stay per-block
-    unless it is "all"; the 32-row body keeps its 3 stages when folded."""
+    """FOLD_SWAP (DSV4_MOE_FOLD_SWAP, on by default) reaches the memoised configs: the Flash
+    T = 1024 32-row GEMMs fold ("wait" order, 3 stages) unless it is off."""
     from dsv4_moe.kernels import routed_experts as rx
     from dsv4_moe.weights.tensors import RoutedExpertWeights
 
@@ -754,9 +748,10 @@ def test_fold_swap_switch(monkeypatch):
     r = RoutedExpertWeights(u8.expand(256, 4096, 2048), e8.expand(256, 4096, 128), u8.expand(256, 4096, 1024),
                             e8.expand(256, 4096, 64), 0, 256, "mma64")
     up, down = rx.routed_configs(1024 * 6, r)
-    assert (up.kind, up.block_m, up.fold_sa, down.fold_sa, up.num_stages) == ("swap", 32, False, False, 3)
-    assert rx.pairs_mode(up) is True
-    monkeypatch.setattr(rx, "FOLD_SWAP", "all")
-    up, down = rx.routed_configs(1024 * 6, r)
-    assert (up.fold_sa, down.fold_sa, up.num_stages, down.num_stages) == (True, True, 3, 3)
+    assert (up.kind, up.block_m, up.fold_sa, down.fold_sa, up.num_stages, up.fold_order) == \
+        ("swap", 32, True, True, 3, "wait")
     assert rx.pairs_mode(up) == "scaled"
+    monkeypatch.setattr(rx, "FOLD_SWAP", False)
+    up, down = rx.routed_configs(1024 * 6, r)
+    assert (up.fold_sa, down.fold_sa) == (False, False)
+    assert rx.pairs_mode(up) is True

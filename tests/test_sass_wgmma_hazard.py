@@ -62,11 +62,11 @@ def test_hazard_analysis_sees_through_the_wait_only_when_full():
 
 def test_default_routed_configs_have_no_wgmma_register_hazard():
     """Every distinct GEMM config routed_configs returns for the Flash and Pro-TP8 layers
-    (T = 1..8192), with the swap fold by default (short K loops) and everywhere (DSV4_MOE_FOLD_SWAP=1), compiles
+    (T = 1..8192), with the swap fold on (default) and off (DSV4_MOE_FOLD_SWAP=0), compiles
     to SASS with no write to an in-flight wgmma's registers."""
     r = _run()
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "fold True " in r.stdout and " swap " in r.stdout, r.stdout  # the folded swap body was checked
+    assert "fold wait " in r.stdout and "fold split" in r.stdout and " swap " in r.stdout, r.stdout  # both orders checked
 
 
 def test_the_unsplit_folded_body_is_caught():
