@@ -147,6 +147,11 @@ def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str
     up, down = _base_configs(num_routes, num_local, i, h, layout)
     if fold and layout == "mma64":
         up, down = _fold(up, h, fold_swap), _fold(down, i, fold_swap)
+        # NOTE: folded ("wait"), the Flash-shaped 32-row down is faster with its K loop rolled
+        # (H200, probe_fold32_down_ff7d770.txt, Flash T=1024, us: unroll 2 555.4, unroll 1
+        # 505.0; per-block unroll 2 606.8); the short-K Pro-TP8 one keeps it (814.8 vs 859.1).
+        if down.fold_sa and down.kind == "swap" and down.block_m == 32 and i >= 2048:
+            down = dataclasses.replace(down, unroll=1)
     return up, down
 
 

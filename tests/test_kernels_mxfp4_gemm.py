@@ -456,7 +456,8 @@ def test_mma64_guards_and_select_config():
     # 32-row blocks of T = 1024 unrolled twice; gate_up from 0.05 (T = 4), not split-K T = 1
     assert [routed_configs(t * 6, flash)[1].a_bf16 for t in (1, 4, 16, 256, 1024)] == [False, False, True, True, True]
     assert [routed_configs(t * 6, flash)[0].a_bf16 for t in (1, 4, 16, 1024)] == [False, True, True, True]
-    assert routed_configs(1024 * 6, flash)[1].unroll == 2 and routed_configs(1024 * 6, flash)[1].block_m == 32
+    # the Flash 32-row down: unrolled twice per-block, rolled when folded (the default since session 17)
+    assert routed_configs(1024 * 6, flash)[1].unroll == 1 and routed_configs(1024 * 6, flash)[1].block_m == 32
     # session 12: from 40 rows per expert (T >= 1707) both GEMMs run the 64-row tile body on
     # bf16 pairs; the 32-row swap band below
     for t in (2048, 4096, 8192):
@@ -748,10 +749,10 @@ def test_fold_swap_switch(monkeypatch):
     r = RoutedExpertWeights(u8.expand(256, 4096, 2048), e8.expand(256, 4096, 128), u8.expand(256, 4096, 1024),
                             e8.expand(256, 4096, 64), 0, 256, "mma64")
     up, down = rx.routed_configs(1024 * 6, r)
-    assert (up.kind, up.block_m, up.fold_sa, down.fold_sa, up.num_stages, up.fold_order) == \
-        ("swap", 32, True, True, 3, "wait")
+    assert (up.kind, up.block_m, up.fold_sa, down.fold_sa, up.num_stages, up.fold_order, down.unroll) == \
+        ("swap", 32, True, True, 3, "wait", 1)
     assert rx.pairs_mode(up) == "scaled"
     monkeypatch.setattr(rx, "FOLD_SWAP", False)
     up, down = rx.routed_configs(1024 * 6, r)
-    assert (up.fold_sa, down.fold_sa) == (False, False)
+    assert (up.fold_sa, down.fold_sa, down.unroll) == (False, False, 2)
     assert rx.pairs_mode(up) is True
