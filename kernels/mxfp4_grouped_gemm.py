@@ -284,8 +284,9 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
         raise ValueError(f"a_pairs: given, but config.a_bf16 is False (config={cfg!r})")
     if cfg.fold_sa and cfg.kind == "swap" and not interpreting() and not (swz and cfg.asm):
         raise ValueError(f"config.fold_sa=True on the swap body needs layout='mma64' and asm=True on CUDA "
-                         f"(got layout={layout!r}, asm={cfg.asm}): only that body converts the odd-k half after "
-                         f"the even-k MMA, so ptxas < 13.3 cannot reuse an in-flight wgmma's registers")
+                         f"(got layout={layout!r}, asm={cfg.asm}): only that body is measured and checked in "
+                         f"SASS (scripts/sass_wgmma_hazard.py) against ptxas < 13.3 reusing an in-flight "
+                         f"wgmma's registers")
     if cfg.kind != "tile":
         return _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz)
     grid = (align.max_blocks, triton.cdiv(n, cfg.block_n))

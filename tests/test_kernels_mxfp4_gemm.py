@@ -739,6 +739,23 @@ def test_fold_switch_reaches_memoised_configs(monkeypatch):
     assert not any(c.fold_sa for c in rx.routed_configs(8192 * 6, r))
 
 
+def test_folded_swap_refused_off_the_checked_body(monkeypatch):
+    """On CUDA (here: the interpreter switched off by hand) a folded swap launch must use the
+    "mma64" layout and the PTX dequant, the body whose SASS is hazard-checked; the check
+    fires before anything compiles."""
+    from dsv4_moe.kernels import _triton_utils
+
+    monkeypatch.setattr(_triton_utils, "interpreting", lambda: False)
+    g = torch.Generator().manual_seed(3)
+    w, s = _weights(4, 128, 256, g)
+    q, sa = ref.act_quant(torch.randn(2, 256, generator=g).bfloat16())
+    a = moe_align(torch.tensor([[0, 1], [1, 3]], dtype=torch.int32), 4, 0, 16)
+    with pytest.raises(ValueError, match=r"fold_sa=True on the swap body needs layout='mma64' and asm=True on "
+                                         r"CUDA \(got layout='nk', asm=True\)"):
+        mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False,
+                           config=GemmConfig(16, 128, kind="swap", asm=True, fold_sa=True))
+
+
 def test_fold_swap_switch(monkeypatch):
     """FOLD_SWAP (DSV4_MOE_FOLD_SWAP, on by default) reaches the memoised configs: the Flash
     T = 1024 32-row GEMMs fold ("wait" order, 3 stages) unless it is off."""
