@@ -16,7 +16,7 @@ writes the HGMMA's A or accumulator registers is a hazard.
 
     python scripts/sass_wgmma_hazard.py               # every config routed_configs returns (Flash, Pro-TP8,
                                                       # swap fold on and off); exit 1 on any hazard
-    python scripts/sass_wgmma_hazard.py --variants    # session 16's folded / per-block swap variants
+    python scripts/sass_wgmma_hazard.py --variants    # folded / per-block swap variants (sessions 16-17)
     python scripts/sass_wgmma_hazard.py --self-test   # the check still finds session 15's hazard
 
 One row per compiled config: hazards found, registers, the ptxas that assembled it.
@@ -183,7 +183,12 @@ def session16_variants():
                        ("per-block 16 s4 cap128", dataclasses.replace(b16, maxnreg=128)),
                        ("fold 16 s4 cap128 split", dataclasses.replace(b16, maxnreg=128, fold_sa=True, fold_order="split")),
                        ("fold 16 s4 cap128 wait", dataclasses.replace(b16, maxnreg=128, fold_sa=True)),
-                       ("fold 16 s4 wait", dataclasses.replace(b16, fold_sa=True))):
+                       ("fold 16 s4 wait", dataclasses.replace(b16, fold_sa=True)),
+                       # scripts/gpu_probe_swap_rows.py's bigger blocks (session 17, not yet timed)
+                       ("fold 64 4w s3 wait", dataclasses.replace(b32, block_m=64, num_stages=3, fold_sa=True)),
+                       ("fold 64 8w s3 wait", dataclasses.replace(b32, block_m=64, num_warps=8, num_stages=3,
+                                                                  fold_sa=True)),
+                       ("fold 128 8w s2 wait", dataclasses.replace(b32, block_m=128, num_warps=8, fold_sa=True))):
         out.append((label, cfg, 4096, True, {}))
     # the body session 15 shipped: both halves converted before the first MMA, no wait (still
     # what a folded "split" launch on "nk" weights would compile; the wrapper refuses it on CUDA)

@@ -616,15 +616,18 @@ def test_scaled_pairs_from_quantisers_bitwise():
         act_quant(x, pairs="scaled", scale_fmt="e8m0")
 
 
-@pytest.mark.parametrize("kind,a_bf16,split", [("swap", True, 1), ("swap", False, 1), ("swap", False, 2),
-                                               ("swap", True, 3), ("tile", True, 1), ("tile", False, 1)],
+@pytest.mark.parametrize("kind,a_bf16,split,bm,warps",
+                         [("swap", True, 1, 16, 4), ("swap", False, 1, 16, 4), ("swap", False, 2, 16, 4),
+                          ("swap", True, 3, 16, 4), ("tile", True, 1, 16, 4), ("tile", False, 1, 16, 4),
+                          ("swap", True, 1, 64, 8)],
                          ids=["scaled-pairs", "fp8", "fp8-splitk", "scaled-pairs-splitk", "tile-scaled-pairs",
-                              "tile-fp8"])
-def test_fold_sa_vs_reference(kind, a_bf16, split):
+                              "tile-fp8", "swap64-8warps"])
+def test_fold_sa_vs_reference(kind, a_bf16, split, bm, warps):
     """GemmConfig.fold_sa: the activation scale folded into the bf16 operand (one MMA chain
     over K) against the reference, gathered gate_up and scattered down (K = 384, a non-local
     route never written), in the same bound as every body; the wrapper's own scaled pairs
-    equal act_quant's (bitwise); the bound still rejects a scale off by one 32-group."""
+    equal act_quant's (bitwise); the bound still rejects a scale off by one 32-group. Also the
+    64-row, 8-warp swap block scripts/gpu_probe_swap_rows.py times."""
     from dsv4_moe.kernels.act_quant import act_quant
 
     g = torch.Generator().manual_seed(41)
@@ -635,8 +638,8 @@ def test_fold_sa_vs_reference(kind, a_bf16, split):
     ids = _ids(t, k, e + 2, g)
     ids[0, 0] = 9
     ids = ids.sort(1).values
-    a = moe_align(ids.int(), e, 0, 16)
-    cfg = GemmConfig(16, 64, 4, 2, kind=kind, split_k=split, a_bf16=a_bf16, fold_sa=True)
+    a = moe_align(ids.int(), e, 0, bm)
+    cfg = GemmConfig(bm, 64, warps, 2, kind=kind, split_k=split, a_bf16=a_bf16, fold_sa=True)
     given = dict(a_pairs=qp, a_pairs_scaled=True) if a_bf16 else {}
     out = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=cfg, **given)
     local = ids.flatten() < e

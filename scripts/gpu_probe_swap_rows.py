@@ -1,0 +1,134 @@
+"""Probe (H200): bigger folded swap blocks for the mid and prefill sizes.
+
+Session 17's "wait" ordering of the folded swap body (GemmConfig.fold_order) needs far
+fewer registers than the per-block body (sm_90a, offline, scripts/sass_wgmma_hazard.py's
+compile): 32 rows 151 instead of 216; 64 rows 194-212 with no spill instead of 255 with 25
+spilled words; 64 rows on 8 warps 113-128; 128 rows on 8 warps 166-168. The 64-row swap was
+never competitive per-block (spills), so the tile body (weights through shared memory, its
+MMA waited on at once: `HGMMA ...; WARPGROUP.DEPBAR.LE gsb0, 0x0` twice per 128-k block)
+took T >= ~1700 (Flash) / ~6100 (Pro-TP8). This probe times, per GEMM of the layer, the
+layer's own config against folded swap candidates, each with its own alignment (block_m),
+on the same routes and activations, and checks that every candidate gives the layer
+config's bits on every route (all folded bodies run the same MMA chain; session 17 measured
+them bitwise equal).
+
+    OUT=./out python3 scripts/gpu_probe_swap_rows.py [--ts 1024,2048,4096,8192] [--presets flash,pro-tp8]
+    TRITON_INTERPRET=1 python3 scripts/gpu_probe_swap_rows.py --presets tiny --ts 8 --device cpu --reps 1
+                                                              (a dry run of the script on CPU)
+
+Not run yet (written offline in session 17 after the device budget was spent).
+"""
+import argparse
+import dataclasses
+import os
+
+import torch
+
+from dsv4_moe import DeepseekV4MoE, MoEConfig
+from dsv4_moe.bench.timing import time_sets
+from dsv4_moe.kernels.act_quant import act_quant
+from dsv4_moe.kernels.moe_align import moe_align
+from dsv4_moe.kernels.mxfp4_grouped_gemm import GemmConfig, bf16_pairs, mxfp4_grouped_gemm
+from dsv4_moe.kernels.router import route_topk
+from dsv4_moe.kernels.routed_experts import fold_config, routed_configs
+from dsv4_moe.testing import random_layer_weights
+
+SWAP = dict(kind="swap", asm=True, a_bf16=True, fold_sa=True)
+CANDIDATES = {
+    "swap 32 4w s3": GemmConfig(32, 128, 4, 3, **SWAP),
+    "swap 64 4w s2": GemmConfig(64, 128, 4, 2, **SWAP),
+    "swap 64 4w s3": GemmConfig(64, 128, 4, 3, **SWAP),
+    "swap 64 8w s3": GemmConfig(64, 128, 8, 3, **SWAP),
+    "swap 64 8w s4": GemmConfig(64, 128, 8, 4, **SWAP),
+    "swap 128 8w s2": GemmConfig(128, 128, 8, 2, **SWAP),
+}
+
+
+def graph_us(fn, device, reps):
+    """CUDA-graph replay time of fn (the package's bench timer: median of batches)."""
+    return time_sets([fn], device=device, reps=reps).median_us
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ts", default="1024,2048,4096,8192")
+    ap.add_argument("--presets", default="flash,pro-tp8")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--reps", type=int, default=15)
+    args = ap.parse_args()
+    dev = args.device
+    out = os.environ.get("OUT", "./out")
+    lines = []
+
+    def say(text):
+        lines.append(text)
+        print(text, flush=True)
+
+    cfgs = {"flash": MoEConfig.flash(), "pro-tp8": MoEConfig.pro().replace(moe_intermediate_size=384, name="pro-tp8-rank"),
+            "tiny": MoEConfig.tiny()}
+    for name in args.presets.split(","):
+        cfg = cfgs[name]
+        layer = DeepseekV4MoE(cfg, random_layer_weights(cfg, layer_idx=min(5, cfg.num_hidden_layers - 1), seed=0, device=dev))
+        r = layer.routed
+        h, i = r.hidden, r.intermediate
+        for t in [int(v) for v in args.ts.split(",")]:
+            g = torch.Generator(device=dev).manual_seed(t)
+            x = torch.randn(t, cfg.hidden_size, device=dev, generator=g).bfloat16()
+            with torch.no_grad():
+                w, ids = route_topk(x, layer.router.weight, layer.router.bias, None, None,
+                                    cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+            q, sa, qps = act_quant(x, pairs="scaled")
+            routes = ids.numel()
+            hq_r, hs_r = act_quant((torch.randn(routes, i, device=dev, generator=g) * 2).bfloat16())
+            up, down = routed_configs(routes, r)
+            for gemm, layer_cfg, k in (("gate_up", up, h), ("down", down, i)):
+                if layer_cfg.kind == "gemv":
+                    say(f"{name} T={t} {gemm}: the layer runs the GEMV here, skipped")
+                    continue
+                variants = {f"layer ({layer_cfg.kind} {layer_cfg.block_m})": fold_config(layer_cfg, k)}
+                variants.update({c_name: fold_config(c, k) for c_name, c in CANDIDATES.items()})
+                calls, per_route = {}, {}
+                for v_name, c in variants.items():
+                    align = moe_align(ids, r.num_local, r.first_expert, c.block_m, w)
+                    rows = align.route_rows.long()
+                    if gemm == "gate_up":
+                        def call(c=c, align=align):
+                            return mxfp4_grouped_gemm(q, sa, r.gate_up, r.gate_up_scale, align, gather_a=True,
+                                                      scatter_out=False, config=c, layout=r.layout,
+                                                      **({"a_pairs": qps, "a_pairs_scaled": True} if c.a_bf16 else {}))
+                        calls[v_name] = call
+                        per_route[v_name] = lambda call=call, rows=rows: call()[rows]
+                    else:
+                        hq = torch.zeros(align.max_rows, i, dtype=hq_r.dtype, device=dev)
+                        hs = torch.ones(align.max_rows, hs_r.shape[1], dtype=hs_r.dtype, device=dev)
+                        hq[rows], hs[rows] = hq_r, hs_r
+                        hps = bf16_pairs(hq, hs)
+
+                        def call(c=c, align=align, hq=hq, hs=hs, hps=hps):
+                            return mxfp4_grouped_gemm(hq, hs, r.down, r.down_scale, align, gather_a=False,
+                                                      scatter_out=True, config=c, layout=r.layout,
+                                                      **({"a_pairs": hps, "a_pairs_scaled": True} if c.a_bf16 else {}))
+                        calls[v_name] = call
+                        per_route[v_name] = call
+                res = {}
+                for _ in range(2):  # interleaved
+                    for v_name, call in calls.items():
+                        res.setdefault(v_name, []).append(graph_us(call, dev, args.reps))
+                names = list(variants)
+                ref = per_route[names[0]]()
+                base = min(res[names[0]])
+                parts = []
+                for v_name in names[1:]:
+                    same = all(torch.equal(per_route[v_name](), ref) for _ in range(3))
+                    us = min(res[v_name])
+                    parts.append(f"{v_name} {us:.1f} us x{base / us:.3f}{'' if same else ' NOT BITWISE the layer config'}")
+                say(f"{name} T={t} {gemm}: {names[0]} {base:.1f} us; " + "; ".join(parts))
+        del layer
+        if dev.startswith("cuda"):
+            torch.cuda.empty_cache()
+    os.makedirs(out, exist_ok=True)
+    open(os.path.join(out, "probe_swap_rows.txt"), "w").write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
