@@ -364,8 +364,8 @@ class DeepseekV4MoE(_NativeBuffers):
             extra = "".join([f", K split {cfg.split_k} ways" if cfg.split_k > 1 else "",
                              (", bf16 activation pairs (written by act_quant)" if gemm == "gate_up" else
                               ", bf16 activation pairs (written by swiglu_quant)") if cfg.a_bf16 else "",
-                             (", activation scale folded into the operand (one MMA chain over K" +
-                              (", odd-k half converted after the even-k MMA)" if cfg.fold_order == "split" else
+                             ", activation scale folded into the operand (one MMA chain over K" +
+                             ((", odd-k half converted after the even-k MMA)" if cfg.fold_order == "split" else
                                ", each block's MMAs waited on)") if cfg.kind == "swap" else ")")
                              if cfg.fold_sa else
                              ", per-128-block scaling (DSV4_MOE_FOLD_SWAP=0)"

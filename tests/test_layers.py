@@ -100,6 +100,30 @@ def test_explain_names_every_stage_and_reason(layers):
     assert "not triton: device is cpu, not cuda" in text
 
 
+def test_explain_routed_gemm_plan(monkeypatch):
+    """explain()'s routed GEMM plan (shown when the routed stage takes the Triton path; planning
+    launches nothing, so it runs on the CPU with the choice forced): per GEMM its body, and
+    for folded configs the swap body's ordering; DSV4_MOE_FOLD_SWAP=0 named when off."""
+    import types
+
+    from dsv4_moe.kernels import routed_experts as rx
+
+    layer = DeepseekV4MoE(CFG, random_layer_weights(CFG, layer_idx=1))
+    layer.set_routed_layout("mma64")
+    select = dispatch.select
+    monkeypatch.setattr(dispatch, "select", lambda stage, ctx, *a, **k: types.SimpleNamespace(name="triton")
+                        if stage == "routed_experts" else select(stage, ctx, *a, **k))
+    up, down = rx.routed_configs(16 * CFG.num_experts_per_tok, layer.routed)
+    text = layer.explain(16)
+    assert f"gate_up {up.kind} {up.block_m}x{up.block_n}" in text and f"down {down.kind} {down.block_m}x" in text
+    order = {"split": "odd-k half converted after the even-k MMA)", "wait": "each block's MMAs waited on)"}
+    assert f"(one MMA chain over K, {order[down.fold_order]}" in text, text
+    up, down = rx.routed_configs(256 * CFG.num_experts_per_tok, layer.routed)
+    assert up.kind == "tile" and "(one MMA chain over K), 168-register cap" in layer.explain(256), layer.explain(256)
+    monkeypatch.setattr(rx, "FOLD_SWAP", False)
+    assert "per-128-block scaling (DSV4_MOE_FOLD_SWAP=0)" in layer.explain(16)
+
+
 def test_explain_router_sub_choices():
     """The router's reason names how the logits and the scores are computed for this T on
     a CUDA context (planning never launches anything, so it runs on the CPU)."""
