@@ -41,6 +41,8 @@ CANDIDATES = {
     "swap 64 8w s3": GemmConfig(64, 128, 8, 3, **SWAP),
     "swap 64 8w s4": GemmConfig(64, 128, 8, 4, **SWAP),
     "swap 128 8w s2": GemmConfig(128, 128, 8, 2, **SWAP),
+    "swap 128 8w s3": GemmConfig(128, 128, 8, 3, **SWAP),
+    "swap 256 8w s2": GemmConfig(256, 128, 8, 2, **SWAP),
 }
 
 
