@@ -16,7 +16,7 @@ them bitwise equal).
     TRITON_INTERPRET=1 python3 scripts/gpu_probe_swap_rows.py --presets tiny --ts 8 --device cpu --reps 1
                                                               (a dry run of the script on CPU)
 
-Not run yet (written offline in session 17 after the device budget was spent).
+First run: session 18 (docs/bench/2026-11-30/session18/probe_swap_rows_*.txt).
 """
 import argparse
 import dataclasses
@@ -43,6 +43,13 @@ CANDIDATES = {
     "swap 128 8w s2": GemmConfig(128, 128, 8, 2, **SWAP),
     "swap 128 8w s3": GemmConfig(128, 128, 8, 3, **SWAP),
     "swap 256 8w s2": GemmConfig(256, 128, 8, 2, **SWAP),
+    "swap 64 4w s4": GemmConfig(64, 128, 4, 4, **SWAP),
+    "swap 64 4w s3 u2": GemmConfig(64, 128, 4, 3, unroll=2, **SWAP),
+    "swap 64 4w s3 r168": GemmConfig(64, 128, 4, 3, maxnreg=168, **SWAP),
+    "swap 64 4w s3 r128": GemmConfig(64, 128, 4, 3, maxnreg=128, **SWAP),
+    "swap 64 4w s3 n64": GemmConfig(64, 64, 4, 3, **SWAP),
+    "swap 32 4w s4": GemmConfig(32, 128, 4, 4, **SWAP),
+    "swap 32 4w s3 u2": GemmConfig(32, 128, 4, 3, unroll=2, **SWAP),
 }
 
 
@@ -57,6 +64,7 @@ def main():
     ap.add_argument("--presets", default="flash,pro-tp8")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--only", default="", help="comma-separated candidate names (default: all)")
     args = ap.parse_args()
     dev = args.device
     out = os.environ.get("OUT", "./out")
@@ -88,7 +96,12 @@ def main():
                     say(f"{name} T={t} {gemm}: the layer runs the GEMV here, skipped")
                     continue
                 variants = {f"layer ({layer_cfg.kind} {layer_cfg.block_m})": fold_config(layer_cfg, k)}
-                variants.update({c_name: fold_config(c, k) for c_name, c in CANDIDATES.items()})
+                only = [v.strip() for v in args.only.split(",") if v.strip()]
+                unknown = [v for v in only if v not in CANDIDATES]
+                if unknown:
+                    raise SystemExit(f"--only: unknown candidates {unknown}; known: {list(CANDIDATES)}")
+                variants.update({c_name: fold_config(c, k) for c_name, c in CANDIDATES.items()
+                                 if not only or c_name in only})
                 calls, per_route = {}, {}
                 for v_name, c in variants.items():
                     align = moe_align(ids, r.num_local, r.first_expert, c.block_m, w)
