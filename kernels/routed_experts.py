@@ -144,7 +144,7 @@ def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str
                     fold_swap: bool) -> tuple[GemmConfig, GemmConfig]:
     """routed_configs on the shapes and the module switches it reads (memoised: an eager
     forward asks twice, ~70 us of host time each on the H200's host before)."""
-    up, down = _base_configs(num_routes, num_local, i, h, layout)
+    up, down = _base_configs(num_routes, num_local, i, h, layout, fold and fold_swap)
     if fold and layout == "mma64":
         up, down = _fold(up, h, fold_swap), _fold(down, i, fold_swap)
         # NOTE: folded ("wait"), the Flash-shaped 32-row down is faster with its K loop rolled
@@ -155,8 +155,10 @@ def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str
     return up, down
 
 
-def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str) -> tuple[GemmConfig, GemmConfig]:
-    """The GEMM configs before the fold of the activation scale."""
+def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str,
+                  fold_swap: bool = True) -> tuple[GemmConfig, GemmConfig]:
+    """The GEMM configs before the fold of the activation scale; `fold_swap`: the swap
+    configs will be folded (the 64-row swap blocks need it)."""
     up = select_config(num_routes, num_local, 2 * i, h, layout)
     down = select_config(num_routes, num_local, h, i, layout)
     if up.kind == "gemv" and down.kind != "gemv":  # e.g. Pro-TP8 T=4: long-K gate_up keeps the GEMV
@@ -199,6 +201,28 @@ def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str) 
     # T=8192 6911.3 -> 6639.8; Pro-TP8 T=8192 2514.7 -> 2406.9 (tile fp8: 2610.5). The down
     # GEMMs lose with it (Flash 1844.1 -> 1908.5 at T=4096), and the short-K Pro-TP8 down
     # keeps fp8 activations.
+    # NOTE (session 18, docs/bench/2026-11-30/session18/probe_swap_rows_*.txt, H200, graphs,
+    # uniform routing, us, the tile config above -> 64-row folded swap, bitwise): the "wait"
+    # ordering of the folded swap body (session 17) needs few enough registers for 64-row
+    # blocks on one warpgroup (194-212 without a cap, no spill), and the weights then stay
+    # the register operand - no shared-memory round trip and no wait on each MMA right after
+    # it, as the tile body has. With 3 stages and a 168-register cap (3 programs per SM):
+    #   Flash T=2048 gate_up 1842.0 -> 1338.5, down 938.0 -> 699.8; T=8192 6056.7 -> 4218.4,
+    #     3084.2 -> 2250.3 (1.34-1.44x; T=1536, 36 rows per expert: level with the 32-row
+    #     swap, 1538.5 / 764.4 vs 1580.0 / 742.3; T=1280: the 32-row swap 1.4x faster)
+    #   Pro-TP8 T=8192 gate_up 2076.4 -> 1603.2 (no cap), the short-K down 1625.9 -> 1447.7
+    #     (unrolled twice; the 32-row swap 1355.1 but its gate_up 1948.4); T=4096 (64 rows)
+    #     gate_up 1014.7 (32-row swap) -> 972.9, down 824.1 -> 799.8.
+    # 8 warps, 128- and 256-row blocks, 2 stages, a 128-register cap and 64-wide weight
+    # tiles were slower at every size probed. Only the folded body fits: per-block
+    # (DSV4_MOE_FOLD_SWAP=0 or DSV4_MOE_FOLD_ACT_SCALE=0) the 64-row swap needs 255 registers
+    # and spills, so there the tile configs below stay, as for shapes off these rules.
+    swap64 = GemmConfig(64, 128, 4, 3, kind="swap", asm=True, a_bf16=True)
+    if fold_swap and mma64 and whole and i >= 2048 and rows >= 40:
+        up = dataclasses.replace(swap64, maxnreg=168)
+        return up, up
+    if fold_swap and mma64 and whole and i <= 1024 and rows >= 64:
+        return swap64, dataclasses.replace(swap64, unroll=2)
     capped = GemmConfig(64, 128, 4, 2, asm=True, a_bf16=True, maxnreg=168)
     if mma64 and whole and i >= 2048 and rows >= 40:
         down = GemmConfig(64, 128, 4, 3, asm=True, a_bf16=True)

@@ -418,7 +418,7 @@ def test_mma64_guards_and_select_config():
         return torch.zeros(1, 1, 1, dtype=torch.uint8).expand(*sz)
     pro_tp8 = RoutedExpertWeights(shape(384, 768, 3584), shape(384, 768, 224), shape(384, 7168, 192),
                                   shape(384, 7168, 12), first_expert=0, num_experts=384, layout="mma64")
-    for t in (1, 2, 4, 16, 256, 8192):
+    for t in (1, 2, 4, 16, 256):
         up, down = routed_configs(t * 6, pro_tp8)
         assert up.block_m == down.block_m and up.kind != "gemv" and down.kind != "gemv", (t, up, down)
         # bf16 activation pairs (written by act_quant): gate_up's unsplit swap body from
@@ -440,13 +440,14 @@ def test_mma64_guards_and_select_config():
         up, down = routed_configs(t * 6, pro_tp8)
         assert (up.kind, up.block_m, up.a_bf16, up.unroll, up.maxnreg) == ("swap", bm, True, 1, None), (t, up)
         assert down == dataclasses.replace(up, unroll=2, fold_order=down.fold_order), (t, down)
-    # session 12: the band runs to 96 rows per expert (T = 4096); the tile (fp8) above it
-    up, down = routed_configs(4096 * 6, pro_tp8)
-    assert (up.kind, up.block_m, up.a_bf16, down.unroll) == ("swap", 32, True, 2) and down.a_bf16, (up, down)
-    # above it the tile body: gate_up on pairs, 2 stages, capped at 168 registers; down fp8
-    up, down = routed_configs(8192 * 6, pro_tp8)
-    assert (up.kind, up.block_m, up.a_bf16, up.num_stages, up.maxnreg) == ("tile", 64, True, 2, 168), up
-    assert (down.kind, down.block_m, down.a_bf16, down.maxnreg, down.unroll) == ("tile", 64, False, None, 1), down
+    # session 18: from 64 rows per expert (T >= 4096) 64-row folded swap blocks on one
+    # warpgroup, 3 stages, both GEMMs on scaled pairs; the short-K down unrolled twice
+    for t in (4096, 8192, 16384):
+        up, down = routed_configs(t * 6, pro_tp8)
+        assert (up.kind, up.block_m, up.num_warps, up.num_stages, up.a_bf16, up.fold_sa, up.fold_order,
+                up.maxnreg, up.unroll) == ("swap", 64, 4, 3, True, True, "wait", None, 1), (t, up)
+        assert down == dataclasses.replace(up, unroll=2), (t, down)
+    assert routed_configs(4095 * 6, pro_tp8)[0].block_m == 32
     flash = RoutedExpertWeights(shape(256, 4096, 2048), shape(256, 4096, 128), shape(256, 4096, 1024),
                                 shape(256, 4096, 64), first_expert=0, num_experts=256, layout="mma64")
     for t in (1, 16, 256):  # long-K down (K = 2048): no cap, no unroll on 16-row blocks
@@ -458,14 +459,23 @@ def test_mma64_guards_and_select_config():
     assert [routed_configs(t * 6, flash)[0].a_bf16 for t in (1, 4, 16, 1024)] == [False, True, True, True]
     # the Flash 32-row down: unrolled twice per-block, rolled when folded (the default since session 17)
     assert routed_configs(1024 * 6, flash)[1].unroll == 1 and routed_configs(1024 * 6, flash)[1].block_m == 32
-    # session 12: from 40 rows per expert (T >= 1707) both GEMMs run the 64-row tile body on
-    # bf16 pairs; the 32-row swap band below
-    for t in (2048, 4096, 8192):
+    # session 18: from 40 rows per expert (T >= 1707) both GEMMs run 64-row folded swap blocks
+    # on one warpgroup, 3 stages, capped at 168 registers (was: the 64-row tile body); the
+    # 32-row swap band below
+    for t in (1707, 2048, 4096, 8192):
         up, down = routed_configs(t * 6, flash)
-        assert (down.kind, down.block_m, down.a_bf16, down.num_stages, down.maxnreg) == ("tile", 64, True, 3, None)
-        # gate_up: from 64 rows per expert 2 stages and a 168-register cap
-        assert up == (dataclasses.replace(down, num_stages=2, maxnreg=168) if t * 6 / 256 >= 64 else down), (t, up)
-    assert routed_configs(1536 * 6, flash)[0].kind == "swap"
+        assert (up.kind, up.block_m, up.num_warps, up.num_stages, up.a_bf16, up.fold_sa, up.fold_order,
+                up.maxnreg, up.unroll) == ("swap", 64, 4, 3, True, True, "wait", 168, 1), (t, up)
+        assert down == up, (t, down)
+    assert routed_configs(1536 * 6, flash)[0].kind == "swap" and routed_configs(1536 * 6, flash)[0].block_m == 32
+    # per-block swap bodies (DSV4_MOE_FOLD_SWAP=0 / DSV4_MOE_FOLD_ACT_SCALE=0) would spill at 64
+    # rows: there the 64-row tile body stays (session 12's configs)
+    from dsv4_moe.kernels.routed_experts import _routed_configs
+    for fold, fold_swap in ((True, False), (False, True)):
+        up, down = _routed_configs(8192 * 6, 256, 2048, 4096, "mma64", fold, fold_swap)
+        assert (up.kind, up.num_stages, up.maxnreg, down.kind, down.num_stages) == ("tile", 2, 168, "tile", 3), (up, down)
+        up, down = _routed_configs(8192 * 6, 384, 384, 7168, "mma64", fold, fold_swap)
+        assert (up.kind, down.kind, down.a_bf16) == ("tile", "tile", False), (up, down)
     # a 128-register cap on Flash's gate_up on pairs, 16-row blocks from 0.2 rows per expert
     assert [routed_configs(t * 6, flash)[0].maxnreg for t in (4, 16, 256, 1024)] == [None, 128, 128, None]
     assert routed_configs(16 * 6, pro_tp8)[0].maxnreg is None
@@ -619,15 +629,15 @@ def test_scaled_pairs_from_quantisers_bitwise():
 @pytest.mark.parametrize("kind,a_bf16,split,bm,warps",
                          [("swap", True, 1, 16, 4), ("swap", False, 1, 16, 4), ("swap", False, 2, 16, 4),
                           ("swap", True, 3, 16, 4), ("tile", True, 1, 16, 4), ("tile", False, 1, 16, 4),
-                          ("swap", True, 1, 64, 8)],
+                          ("swap", True, 1, 64, 8), ("swap", True, 1, 64, 4)],
                          ids=["scaled-pairs", "fp8", "fp8-splitk", "scaled-pairs-splitk", "tile-scaled-pairs",
-                              "tile-fp8", "swap64-8warps"])
+                              "tile-fp8", "swap64-8warps", "swap64-4warps"])
 def test_fold_sa_vs_reference(kind, a_bf16, split, bm, warps):
     """GemmConfig.fold_sa: the activation scale folded into the bf16 operand (one MMA chain
     over K) against the reference, gathered gate_up and scattered down (K = 384, a non-local
     route never written), in the same bound as every body; the wrapper's own scaled pairs
     equal act_quant's (bitwise); the bound still rejects a scale off by one 32-group. Also the
-    64-row, 8-warp swap block scripts/gpu_probe_swap_rows.py times."""
+    64-row swap blocks: 8 warps (probed), 4 warps (the layer's prefill config since session 18)."""
     from dsv4_moe.kernels.act_quant import act_quant
 
     g = torch.Generator().manual_seed(41)

@@ -118,10 +118,12 @@ def test_explain_routed_gemm_plan(monkeypatch):
     assert f"gate_up {up.kind} {up.block_m}x{up.block_n}" in text and f"down {down.kind} {down.block_m}x" in text
     order = {"split": "odd-k half converted after the even-k MMA)", "wait": "each block's MMAs waited on)"}
     assert f"(one MMA chain over K, {order[down.fold_order]}" in text, text
-    up, down = rx.routed_configs(256 * CFG.num_experts_per_tok, layer.routed)
-    assert up.kind == "tile" and "(one MMA chain over K), 168-register cap" in layer.explain(256), layer.explain(256)
+    up, down = rx.routed_configs(256 * CFG.num_experts_per_tok, layer.routed)  # 96 rows per expert
+    assert (up.kind, up.block_m) == ("swap", 64) and "down swap 64x128" in layer.explain(256), layer.explain(256)
     monkeypatch.setattr(rx, "FOLD_SWAP", False)
     assert "per-128-block scaling (DSV4_MOE_FOLD_SWAP=0)" in layer.explain(16)
+    up, down = rx.routed_configs(256 * CFG.num_experts_per_tok, layer.routed)  # unfolded swaps: the tile
+    assert up.kind == "tile" and "(one MMA chain over K), 168-register cap" in layer.explain(256), layer.explain(256)
 
 
 def test_explain_router_sub_choices():
