@@ -50,6 +50,12 @@ CANDIDATES = {
     "swap 64 4w s3 n64": GemmConfig(64, 64, 4, 3, **SWAP),
     "swap 32 4w s4": GemmConfig(32, 128, 4, 4, **SWAP),
     "swap 32 4w s3 u2": GemmConfig(32, 128, 4, 3, unroll=2, **SWAP),
+    # 128 rows on one warpgroup (sm_90a offline: 64 weight rows 135-143 registers, 128 of them 255; no spill)
+    "swap 128x64 4w s2": GemmConfig(128, 64, 4, 2, **SWAP),
+    "swap 128x64 4w s3": GemmConfig(128, 64, 4, 3, **SWAP),
+    "swap 128x64 4w s3 u2": GemmConfig(128, 64, 4, 3, unroll=2, **SWAP),
+    "swap 128x128 4w s2": GemmConfig(128, 128, 4, 2, **SWAP),
+    "swap 256x64 8w s2": GemmConfig(256, 64, 8, 2, **SWAP),
 }
 
 
