@@ -6,12 +6,13 @@ Three launches, no host sync, sizes fixed by shapes only (CUDA-graph capturable)
    Per chunk: the local expert key of each route (-1 if not local), its rank among the
    chunk's earlier routes with the same key (a BLOCK x BLOCK compare), and the chunk's
    per-expert histogram chunk_counts[c, :].
-2. `_align_scan_kernel`    grid (1,).
-   Per expert tile: exclusive prefix over chunks (chunk_base[c, e]) with one 2-D
-   cumsum, expert totals, padded sizes cdiv(count, BLOCK_M) * BLOCK_M and their
-   exclusive prefix over experts (expert_offsets), carried across tiles; the total
-   padded rows / BLOCK_M is the number of valid M-blocks.
+2. `_align_scan_kernel`    grid (E_PAD / E_TILE,).
+   Per expert tile (one program each): exclusive prefix over chunks (chunk_base[c, e])
+   with one 2-D cumsum, and the expert totals.
 3. `_align_scatter_kernel` grid (max(C, cdiv(max_blocks, BB)),).
+   Every program: padded sizes cdiv(count, BLOCK_M) * BLOCK_M and their exclusive prefix
+   over experts (expert_offsets, in registers; program 0 stores it and the number of
+   valid M-blocks, total padded rows / BLOCK_M).
    Routes: row = expert_offsets[e] + chunk_base[c, e] + rank, so rows of one expert
    keep route order (token-major) — the permutation is deterministic; per row also the
    local expert and (optionally) the route weight, for the filtered SwiGLU. Blocks: the
@@ -56,29 +57,17 @@ def _align_count_kernel(ids_ptr, rank_ptr, chunk_counts_ptr, R, first_expert, nu
 
 
 @triton.jit
-def _align_scan_kernel(chunk_counts_ptr, chunk_base_ptr, expert_counts_ptr, expert_offsets_ptr,
-                       num_blocks_ptr, C, num_local,
-                       BLOCK_M: tl.constexpr, C_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                       E_TILE: tl.constexpr, PDL: tl.constexpr = 0):
+def _align_scan_kernel(chunk_counts_ptr, chunk_base_ptr, expert_counts_ptr, C, num_local,
+                       C_PAD: tl.constexpr, E_TILE: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr = 0):
+    """Program p: experts p*E_TILE .. : the exclusive prefix over chunks and the totals."""
     pdl_enter(PDL)
     cc = tl.arange(0, C_PAD)
-    carry = tl.zeros([1], tl.int32)
-    for e0 in range(0, E_PAD, E_TILE):
-        ecol = e0 + tl.arange(0, E_TILE)
-        m = cc[:, None] < C
-        idx = cc[:, None] * E_PAD + ecol[None, :]
-        cnt = tl.load(chunk_counts_ptr + idx, mask=m, other=0)
-        tl.store(chunk_base_ptr + idx, tl.cumsum(cnt, axis=0) - cnt, mask=m)
-        is_e = ecol < num_local
-        tot = tl.where(is_e, tl.sum(cnt, axis=0), 0)
-        padded = (tot + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        incl = tl.cumsum(padded, axis=0) + carry
-        tl.store(expert_offsets_ptr + ecol, incl - padded, mask=is_e)
-        tl.store(expert_counts_ptr + ecol, tot, mask=is_e)
-        carry += tl.sum(padded, axis=0)
-    one = tl.arange(0, 1)
-    tl.store(expert_offsets_ptr + num_local + one, carry)
-    tl.store(num_blocks_ptr + one, carry // BLOCK_M)
+    ecol = tl.program_id(0) * E_TILE + tl.arange(0, E_TILE)
+    m = cc[:, None] < C
+    idx = cc[:, None] * E_PAD + ecol[None, :]
+    cnt = tl.load(chunk_counts_ptr + idx, mask=m, other=0)
+    tl.store(chunk_base_ptr + idx, tl.cumsum(cnt, axis=0) - cnt, mask=m)
+    tl.store(expert_counts_ptr + ecol, tl.sum(cnt, axis=0), mask=ecol < num_local)
 
 
 @triton.jit
@@ -90,13 +79,26 @@ def _align_scatter_kernel(ids_ptr, route_rows_ptr, chunk_base_ptr, expert_counts
                           E_PAD: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     pid = tl.program_id(0)
+    # ---- every program: the padded prefix over experts, from the totals (<= 512 of them;
+    # program 0 stores it and the valid block count for the GEMMs)
+    ecol = tl.arange(0, E_PAD)
+    is_e = ecol < num_local
+    tot = tl.load(expert_counts_ptr + ecol, mask=is_e, other=0)
+    padded = (tot + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    offs = tl.cumsum(padded, axis=0) - padded
+    total = tl.sum(padded, axis=0)
+    nvb = total // BLOCK_M
+    tl.store(expert_offsets_ptr + ecol, offs, mask=is_e & (pid == 0))
+    one = tl.arange(0, 1)
+    tl.store(expert_offsets_ptr + num_local + one, tl.zeros([1], tl.int32) + total, mask=pid == 0)
+    tl.store(num_blocks_ptr + one, tl.zeros([1], tl.int32) + nvb, mask=pid == 0)
     # ---- routes of chunk pid -> their rows
     r = pid * BLOCK + tl.arange(0, BLOCK)
     in_r = (r < R) & (pid < C)
     key, local = _local_key(ids_ptr, r, in_r, first_expert, num_local)
     rank = tl.load(route_rows_ptr + r, mask=local, other=0)
     base = tl.load(chunk_base_ptr + pid * E_PAD + key, mask=local, other=0)
-    off = tl.load(expert_offsets_ptr + key, mask=local, other=0)
+    off = tl.sum(tl.where(key[:, None] == ecol[None, :], offs[None, :], 0), axis=1)
     dest = off + base + rank
     tl.store(sorted_ids_ptr + dest, r, mask=local)
     tl.store(row_expert_ptr + dest, key, mask=local)
@@ -106,10 +108,6 @@ def _align_scatter_kernel(ids_ptr, route_rows_ptr, chunk_base_ptr, expert_counts
     # ---- M-blocks pid*BB .. : expert id and sentinel rows
     b = pid * BB + tl.arange(0, BB)
     in_b = b < max_blocks
-    nvb = tl.load(num_blocks_ptr)
-    ecol = tl.arange(0, E_PAD)
-    is_e = ecol < num_local
-    offs = tl.load(expert_offsets_ptr + ecol, mask=is_e, other=0)
     # expert holding row b*BLOCK_M = last expert whose start <= that row (empty experts
     # share their start with the next one, so "last" skips them)
     row0 = b * BLOCK_M
@@ -117,8 +115,8 @@ def _align_scatter_kernel(ids_ptr, route_rows_ptr, chunk_base_ptr, expert_counts
     valid_b = in_b & (b < nvb)
     ex = tl.where(valid_b, ex, -1)
     tl.store(block_expert_ptr + b, ex, mask=in_b)
-    cnt = tl.load(expert_counts_ptr + ex, mask=valid_b, other=0)
-    start = tl.load(expert_offsets_ptr + ex, mask=valid_b, other=0)
+    cnt = tl.sum(tl.where(ex[:, None] == ecol[None, :], tot[None, :], 0), axis=1)
+    start = tl.sum(tl.where(ex[:, None] == ecol[None, :], offs[None, :], 0), axis=1)
     rows = row0[:, None] + tl.arange(0, BLOCK_M)[None, :]
     pad = (rows >= (start + cnt)[:, None]) | (~valid_b)[:, None]
     pad = pad & in_b[:, None]

@@ -36,8 +36,8 @@ __all__ = ["MoeAlignment", "moe_align", "align_sizes", "check_align_args", "new_
 _BLOCK = 64    # routes per chunk: the rank compare is BLOCK x BLOCK registers
 _BB = 16       # M-blocks per program in the scatter kernel
 _E_TILE = 64   # experts per one-hot tile in the count kernel
-_SCAN_TILE = 16     # fewest experts per scan step
-_SCAN_CELLS = 4096  # counts per scan step (C_PAD x E_TILE)
+_SCAN_TILE = 4      # fewest experts per scan program
+_SCAN_CELLS = 4096  # counts per scan program (C_PAD x E_TILE)
 SMALL_MAX_ROWS = 4096  # decode path (one launch) when R <= _BLOCK and max_rows <= this
 
 
@@ -168,14 +168,13 @@ def moe_align(topk_ids: torch.Tensor, num_local: int, first_expert: int, block_m
     _align_count_kernel[(c,)](ids, out.route_rows, chunk_counts, r, first_expert, num_local,
                               BLOCK=_BLOCK, E_PAD=e_pad, E_TILE=_E_TILE, num_warps=4, **pdl)
     c_pad = triton.next_power_of_2(c)
-    # NOTE: as many experts per scan step as fit a [C_PAD, E_TILE] tile of ~4096 counts
-    # (one step for all experts at decode): the single program's serial loop was 4.8 us
-    # (Flash) / 8.9 us (Pro-TP8) at T=1 with 16 experts per step (H200 profile, session 4)
+    # NOTE: one program per [C_PAD, E_TILE] tile of ~4096 counts (one program for all experts
+    # while C_PAD <= 16: T <= 170 at top-6). Until session 18 a single program walked the
+    # tiles in turn: 157 us at Flash T=8192 (16 steps of [1024, 16]), 264 us at Pro-TP8
+    # (32 steps) in the H200 profile (docs/bench/2026-11-30/session18/profile_layer_*.txt).
     e_tile = min(e_pad, max(_SCAN_TILE, triton.next_power_of_2(max(1, _SCAN_CELLS // c_pad))))
-    _align_scan_kernel[(1,)](chunk_counts, chunk_base, out.expert_counts, out.expert_offsets,
-                             out.num_valid_blocks, c, num_local,
-                             BLOCK_M=block_m, C_PAD=c_pad, E_PAD=e_pad,
-                             E_TILE=e_tile, num_warps=4, **pdl)
+    _align_scan_kernel[(e_pad // e_tile,)](chunk_counts, chunk_base, out.expert_counts, c, num_local,
+                                           C_PAD=c_pad, E_TILE=e_tile, E_PAD=e_pad, num_warps=4, **pdl)
     tw = None if topk_weights is None else topk_weights.contiguous().view(-1)
     grid = max(c, triton.cdiv(max_blocks, _BB))
     _align_scatter_kernel[(grid,)](ids, out.route_rows, chunk_base, out.expert_counts, out.expert_offsets,

@@ -102,7 +102,8 @@ def test_small_path_limits():
 
 def test_multi_step_scan_carries_offsets():
     # 700 tokens x 6 = 4200 routes = 66 chunks, 130 local experts (E_PAD 256): the scan
-    # takes 32 experts per step (4096 / C_PAD 128) and carries the offsets over 8 steps
+    # runs 8 programs of 32 experts each (4096 / C_PAD 128); every scatter program sums the
+    # padded totals of all of them into the same offsets
     ids = _ids(700, 6, 130, 5)
     _check(ids, 130, 0, 16, torch.rand(700, 6))
 
