@@ -718,12 +718,12 @@ def test_fold_sa_guards_and_routed_configs(monkeypatch):
     for r, t, kind, up_order, down_order in (
             (flash, 1, "swap", "wait", "wait"), (flash, 4, "swap", "wait", "wait"),
             (flash, 16, "swap", "wait", "wait"), (flash, 1024, "swap", "wait", "wait"),
-            (flash, 4096, "tile", "wait", "wait"), (flash, 8192, "tile", "wait", "wait"),
+            (flash, 4096, "swap", "wait", "wait"), (flash, 8192, "swap", "wait", "wait"),  # 64-row blocks
             (pro, 1, "swap", "wait", "split"),       # down: 16 rows, K = 384 (3 blocks)
             (pro, 4, "swap", "wait", "split"), (pro, 16, "swap", "wait", "split"),
             (pro, 1024, "swap", "wait", "split"),
-            (pro, 4096, "swap", "wait", "wait"),     # 32-row blocks
-            (pro, 8192, "tile", "wait", "wait")):
+            (pro, 2048, "swap", "wait", "wait"),     # 32-row blocks
+            (pro, 4096, "swap", "wait", "wait"), (pro, 8192, "swap", "wait", "wait")):  # 64-row blocks
         up, down = rx.routed_configs(t * 6, r)
         assert (up.kind, up.fold_sa, down.fold_sa, up.fold_order, down.fold_order) == \
             (kind, True, True, up_order, down_order), (r.hidden, t, up, down)
@@ -732,8 +732,9 @@ def test_fold_sa_guards_and_routed_configs(monkeypatch):
     for r, t in ((flash, 1), (flash, 16), (flash, 1024), (pro, 4), (pro, 1024), (pro, 4096)):  # swap bodies
         assert not any(c.fold_sa for c in rx.routed_configs(t * 6, r)), (r.hidden, t)
         assert rx.pairs_mode(rx.routed_configs(t * 6, r)[0]) in (True, False)
-    for r, t in ((flash, 4096), (pro, 8192)):  # tile bodies fold still
-        assert all(c.fold_sa for c in rx.routed_configs(t * 6, r))
+    # prefill falls back to the tile body (folded still), not to a per-block 64-row swap
+    for r, t in ((flash, 4096), (flash, 8192), (pro, 8192)):
+        assert all(c.kind == "tile" and c.fold_sa for c in rx.routed_configs(t * 6, r)), (r.hidden, t)
     nk = dataclasses.replace(flash, layout="nk")
     assert not any(c.fold_sa for c in rx.routed_configs(16 * 6, nk))
 
