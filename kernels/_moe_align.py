@@ -98,8 +98,7 @@ def _align_scatter_kernel(ids_ptr, route_rows_ptr, chunk_base_ptr, expert_counts
     key, local = _local_key(ids_ptr, r, in_r, first_expert, num_local)
     rank = tl.load(route_rows_ptr + r, mask=local, other=0)
     base = tl.load(chunk_base_ptr + pid * E_PAD + key, mask=local, other=0)
-    off = tl.sum(tl.where(key[:, None] == ecol[None, :], offs[None, :], 0), axis=1)
-    dest = off + base + rank
+    dest = tl.gather(offs, tl.where(local, key, 0), 0) + base + rank
     tl.store(sorted_ids_ptr + dest, r, mask=local)
     tl.store(row_expert_ptr + dest, key, mask=local)
     if HAS_WEIGHTS:
@@ -115,8 +114,9 @@ def _align_scatter_kernel(ids_ptr, route_rows_ptr, chunk_base_ptr, expert_counts
     valid_b = in_b & (b < nvb)
     ex = tl.where(valid_b, ex, -1)
     tl.store(block_expert_ptr + b, ex, mask=in_b)
-    cnt = tl.sum(tl.where(ex[:, None] == ecol[None, :], tot[None, :], 0), axis=1)
-    start = tl.sum(tl.where(ex[:, None] == ecol[None, :], offs[None, :], 0), axis=1)
+    ex_safe = tl.where(valid_b, ex, 0)  # invalid blocks are all padding whatever these read
+    cnt = tl.gather(tot, ex_safe, 0)
+    start = tl.gather(offs, ex_safe, 0)
     rows = row0[:, None] + tl.arange(0, BLOCK_M)[None, :]
     pad = (rows >= (start + cnt)[:, None]) | (~valid_b)[:, None]
     pad = pad & in_b[:, None]
