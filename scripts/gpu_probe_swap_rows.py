@@ -56,6 +56,13 @@ CANDIDATES = {
     "swap 128x64 4w s3 u2": GemmConfig(128, 64, 4, 3, unroll=2, **SWAP),
     "swap 128x128 4w s2": GemmConfig(128, 128, 4, 2, **SWAP),
     "swap 256x64 8w s2": GemmConfig(256, 64, 8, 2, **SWAP),
+    # 256 weight rows per program on two warpgroups: each m-block's activation rows are read by
+    # half as many programs (the 64 x 128 block reads 14.6 GB of bf16 activation rows from L2 at
+    # Flash T = 8192 gate_up); sm_90a offline 209-213 registers (one program per SM), 32 rows 158
+    "swap 64x256 8w s2": GemmConfig(64, 256, 8, 2, **SWAP),
+    "swap 64x256 8w s3": GemmConfig(64, 256, 8, 3, **SWAP),
+    "swap 64x256 8w s4": GemmConfig(64, 256, 8, 4, **SWAP),
+    "swap 32x256 8w s3": GemmConfig(32, 256, 8, 3, **SWAP),
 }
 
 
