@@ -250,6 +250,7 @@ def _mxfp4_grouped_gemm_swap_kernel(
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
     FOLD_SA: tl.constexpr = False,  # GemmConfig.fold_sa: the activation scale in the operand
     FOLD_WAIT: tl.constexpr = True,  # folded: wait on each block's MMAs (GemmConfig.fold_order "wait"), else "split"
+    N_FASTEST: tl.constexpr = False,  # grid (N blocks, M blocks, splits) instead of (M, N, splits)
 ):
     """Swapped operands: out^T[n, rows] = W[n, k] . A^T[k, rows]. The dequantised weight
     tile is the MMA's first operand (kept in registers on Hopper: no shared-memory round
@@ -264,8 +265,12 @@ def _mxfp4_grouped_gemm_swap_kernel(
     per MMA step instead of per 128-block (the deviation docs/DESIGN.md describes). With
     SPLIT each program writes its one partial to ws[pid_k] (ws [splits, R, N])."""
     pdl_enter(PDL)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    if N_FASTEST:
+        pid_m = tl.program_id(1)
+        pid_n = tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     if pid_m >= tl.load(num_blocks_ptr):
         return

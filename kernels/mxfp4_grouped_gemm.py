@@ -97,6 +97,10 @@ class GemmConfig:
     # halves converted, both MMAs, a wait per block; the loads stay pipelined) or "split" (the
     # odd half converted after the even MMA, behind a barrier; unpipelined loads). Same bits.
     fold_order: str = "wait"
+    # "swap": launch order with the weight blocks (N) fastest, so the programs of one M-block run
+    # together (its activation rows and its expert's weights read from DRAM about once); False
+    # (default) walks the M-blocks first. Same programs, same bits.
+    n_fastest: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("tile", "swap", "gemv"):
@@ -116,6 +120,8 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.unroll={self.unroll!r}: expected an int >= 1 (1 for kind 'tile')")
         if self.fold_sa and self.kind == "gemv":
             raise ValueError(f"GemmConfig.fold_sa=True needs kind 'swap' or 'tile', got kind={self.kind!r}")
+        if self.n_fastest and self.kind != "swap":
+            raise ValueError(f"GemmConfig.n_fastest=True needs kind 'swap', got kind={self.kind!r}")
         if self.fold_order not in ("wait", "split"):
             raise ValueError(f"GemmConfig.fold_order={self.fold_order!r}: expected 'wait' or 'split'")
         if not isinstance(self.split_k, int) or self.split_k < 1 or (self.split_k > 1 and self.kind == "tile"):
@@ -342,6 +348,11 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
     parts = splits if cfg.fold_sa else kb
     ws = torch.empty((parts, r, n) if split else (1,), dtype=torch.float32, device=q.device)
     grid = (align.max_blocks, triton.cdiv(n, cfg.block_n), splits)
+    if cfg.n_fastest:
+        if align.max_blocks > 65535:  # CUDA's grid y limit
+            raise ValueError(f"config.n_fastest=True: {align.max_blocks} M-blocks exceed the grid's y limit "
+                             f"65535; use n_fastest=False")
+        grid = (grid[1], grid[0], splits)
     args = (q, sa, w4, sw, out, ws, align.sorted_route_ids, align.block_expert, align.num_valid_blocks,
             n, r, align.top_k, q.stride(0), sa.stride(0), w4.stride(0), w4.stride(1), sw.stride(0), sw.stride(1),
             out.stride(0))
@@ -352,7 +363,8 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
     if cfg.kind == "swap":
         _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, W_SWZ=swz, A_BF16=cfg.a_bf16,
                                               DIAG=cfg.diag, LOOP_UNROLL=cfg.unroll, FOLD_SA=cfg.fold_sa,
-                                              FOLD_WAIT=cfg.fold_order == "wait", **common)
+                                              FOLD_WAIT=cfg.fold_order == "wait", N_FASTEST=cfg.n_fastest,
+                                              **common)
     else:
         _mxfp4_gemv_kernel[grid](*args, UNROLL=cfg.unroll, **common)
     if split:

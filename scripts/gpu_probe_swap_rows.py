@@ -16,7 +16,12 @@ them bitwise equal).
     TRITON_INTERPRET=1 python3 scripts/gpu_probe_swap_rows.py --presets tiny --ts 8 --device cpu --reps 1
                                                               (a dry run of the script on CPU)
 
-First run: session 18 (docs/bench/2026-11-30/session18/probe_swap_rows_*.txt).
+First run: session 18 (docs/bench/2026-11-30/session18/probe_swap_rows_*.txt). Not yet timed
+(added at the end of session 18, CPU dry run only): the 256-weight-row blocks on two
+warpgroups and the n_fastest launch order ("... nf"). Next:
+    python3 scripts/gpu_probe_swap_rows.py --presets flash --ts 2048,8192 --only 'swap 64 4w s3 r168,swap 64 4w s3 r168 nf,swap 64x256 8w s2,swap 64x256 8w s3,swap 64x256 8w s4,swap 32x256 8w s3'
+    python3 scripts/gpu_probe_swap_rows.py --presets pro-tp8 --ts 4096,8192 --only 'swap 64 4w s3,swap 64 4w s3 nf,swap 64 4w s3 u2 nf,swap 64x256 8w s3'
+    python3 scripts/gpu_probe_swap_rows.py --presets flash --ts 1024 --only 'swap 32 4w s3 nf,swap 32x256 8w s3'
 """
 import argparse
 import dataclasses
@@ -63,6 +68,11 @@ CANDIDATES = {
     "swap 64x256 8w s3": GemmConfig(64, 256, 8, 3, **SWAP),
     "swap 64x256 8w s4": GemmConfig(64, 256, 8, 4, **SWAP),
     "swap 32x256 8w s3": GemmConfig(32, 256, 8, 3, **SWAP),
+    # the layer's prefill block launched with the weight blocks fastest (GemmConfig.n_fastest)
+    "swap 64 4w s3 r168 nf": GemmConfig(64, 128, 4, 3, maxnreg=168, n_fastest=True, **SWAP),
+    "swap 64 4w s3 nf": GemmConfig(64, 128, 4, 3, n_fastest=True, **SWAP),
+    "swap 64 4w s3 u2 nf": GemmConfig(64, 128, 4, 3, unroll=2, n_fastest=True, **SWAP),
+    "swap 32 4w s3 nf": GemmConfig(32, 128, 4, 3, n_fastest=True, **SWAP),
 }
 
 

@@ -787,3 +787,23 @@ def test_fold_swap_switch(monkeypatch):
     up, down = rx.routed_configs(1024 * 6, r)
     assert (up.fold_sa, down.fold_sa, down.unroll) == (False, False, 2)
     assert rx.pairs_mode(up) is True
+
+
+def test_n_fastest_launch_order_same_bits():
+    """GemmConfig.n_fastest (weight blocks fastest in the grid, a probe of session 18): the same
+    programs in another order, so the same bits, folded or not, split or not; swap only."""
+    with pytest.raises(ValueError, match="n_fastest=True needs kind 'swap'"):
+        GemmConfig(64, 128, n_fastest=True)
+    g = torch.Generator().manual_seed(3)
+    e, t, k, h, n = 4, 6, 2, 256, 128
+    w, s = _weights(e, n, h, g)
+    q, sa = ref.act_quant(torch.randn(t, h, generator=g).bfloat16())
+    ids = _ids(t, k, e, g).sort(1).values
+    for cfg in (GemmConfig(16, 64, 4, 2, kind="swap"), GemmConfig(16, 64, 4, 2, kind="swap", fold_sa=True),
+                GemmConfig(16, 64, 4, 2, kind="swap", split_k=2)):
+        a = moe_align(ids.int(), e, 0, cfg.block_m)
+        base = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=cfg)
+        nf = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False,
+                                config=dataclasses.replace(cfg, n_fastest=True))
+        rows = a.route_rows.long()
+        assert torch.equal(nf[rows].view(torch.int16), base[rows].view(torch.int16)), cfg
