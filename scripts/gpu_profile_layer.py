@@ -8,7 +8,8 @@ early, at exit, and off (median of 50 replays of 10 forwards, the six variants
 interleaved), and a per-kernel
 table (torch.profiler over 20 eager forwards: calls, mean device time) so the kernel sum
 can be set against the graph time (the difference is launch gaps and serialisation).
-Writes $OUT/profile_layer.txt and .json.
+Writes $OUT/profile_layer.txt and .json (profile_layer_<tag>.* with --tag, so several calls in one
+device run keep their files).
 """
 from __future__ import annotations
 
@@ -87,6 +88,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,4,16")
     ap.add_argument("--presets", default="flash,pro-tp8")
+    ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--ab", default="",
                     help="module.ATTR=v1,v2,...: also time the default forward (PDL auto, overlap_shared "
                          "'auto') with the module constant set to each value, interleaved with the other "
@@ -154,9 +156,9 @@ def main():
                                 if ov != "ab"},
                              **{f"graph_default_{ab_attr}_{m}_us": v for (ov, m), v in res.items() if ov == "ab"}))
             print("\n".join(lines[-len(table) - 1:]), flush=True)
-    with open(os.path.join(out, "profile_layer.txt"), "w") as f:
+    with open(os.path.join(out, f"profile_layer{'_' + args.tag if args.tag else ''}.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    with open(os.path.join(out, "profile_layer.json"), "w") as f:
+    with open(os.path.join(out, f"profile_layer{'_' + args.tag if args.tag else ''}.json"), "w") as f:
         json.dump(rows, f, indent=1)
 
 
