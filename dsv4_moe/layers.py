@@ -373,7 +373,8 @@ class DeepseekV4MoE(_NativeBuffers):
                              self.routed.layout == "mma64" else "",
                              f", {cfg.maxnreg}-register cap" if cfg.maxnreg else "",
                              f", K loop unrolled {cfg.unroll}x" if cfg.unroll > 1 and cfg.kind == "swap" else
-                             f", {cfg.unroll} K blocks per step" if cfg.unroll > 1 else ""])
+                             f", {cfg.unroll} K blocks per step" if cfg.unroll > 1 else "",
+                             ", weight blocks fastest in the grid" if cfg.n_fastest else ""])
             parts.append(f"{gemm} {cfg.kind} {cfg.block_m}x{cfg.block_n}, {cfg.num_warps} warps, "
                          f"{cfg.num_stages} stages{extra}")
         between = (f"SwiGLU-quant over the {routes} routes' rows (route list)"

@@ -131,17 +131,23 @@ SWIGLU_ROUTE_LIST_MIN_ROUTES = 12
 SPLIT_ORDER_MAX_BLOCKS = 4
 FOLD_ACT_SCALE = os.environ.get("DSV4_MOE_FOLD_ACT_SCALE", "1").strip() not in ("0", "", "false", "off")
 FOLD_SWAP = os.environ.get("DSV4_MOE_FOLD_SWAP", "1").strip() not in ("0", "", "false", "off")
+# The unsplit swap GEMMs on 32- and 64-row blocks launch with the weight blocks fastest in
+# the grid (GemmConfig.n_fastest: the programs resident together share one block of
+# activation rows instead of one weight block; same bits). DSV4_MOE_N_FASTEST=0 keeps the
+# m-blocks fastest everywhere (the A/B switch of the measurement in _n_fastest's note).
+N_FASTEST = os.environ.get("DSV4_MOE_N_FASTEST", "1").strip() not in ("0", "", "false", "off")
+N_FASTEST_MIN_BLOCK_M = 32
 
 
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
     """(gate_up config, down config); both share BLOCK_M because they share one alignment."""
     return _routed_configs(num_routes, routed.num_local, routed.intermediate, routed.hidden, routed.layout,
-                           FOLD_ACT_SCALE, FOLD_SWAP)
+                           FOLD_ACT_SCALE, FOLD_SWAP, N_FASTEST)
 
 
 @functools.lru_cache(maxsize=4096)
 def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str, fold: bool,
-                    fold_swap: bool) -> tuple[GemmConfig, GemmConfig]:
+                    fold_swap: bool, n_fastest: bool = False) -> tuple[GemmConfig, GemmConfig]:
     """routed_configs on the shapes and the module switches it reads (memoised: an eager
     forward asks twice, ~70 us of host time each on the H200's host before)."""
     up, down = _base_configs(num_routes, num_local, i, h, layout, fold and fold_swap)
@@ -152,7 +158,20 @@ def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str
         # 505.0; per-block unroll 2 606.8); the short-K Pro-TP8 one keeps it (814.8 vs 859.1).
         if down.fold_sa and down.kind == "swap" and down.block_m == 32 and i >= 2048:
             down = dataclasses.replace(down, unroll=1)
+    if n_fastest:
+        up, down = _n_fastest(up, num_routes, num_local), _n_fastest(down, num_routes, num_local)
     return up, down
+
+
+def _n_fastest(cfg: GemmConfig, num_routes: int, num_local: int) -> GemmConfig:
+    """cfg launched with its weight blocks fastest in the grid where that applies (unsplit
+    swap configs on blocks of at least N_FASTEST_MIN_BLOCK_M rows, while the alignment's
+    worst-case block count fits the grid's y dimension)."""
+    max_blocks = -(-num_routes // max(cfg.block_m, 1)) + min(num_local, num_routes)
+    if (cfg.kind == "swap" and cfg.split_k == 1 and cfg.block_m >= N_FASTEST_MIN_BLOCK_M
+            and max_blocks <= 65535):
+        return dataclasses.replace(cfg, n_fastest=True)
+    return cfg
 
 
 def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str,

@@ -88,6 +88,10 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--only", default="", help="comma-separated candidate names (default: all)")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds (min and median reported)")
+    ap.add_argument("--layer-twins", action="store_true",
+                    help="add 'layer again' (the layer config timed twice: the noise floor) and 'layer nf' "
+                         "(the layer config with GemmConfig.n_fastest flipped, swap configs only)")
     args = ap.parse_args()
     dev = args.device
     out = os.environ.get("OUT", "./out")
@@ -118,13 +122,19 @@ def main():
                 if layer_cfg.kind == "gemv":
                     say(f"{name} T={t} {gemm}: the layer runs the GEMV here, skipped")
                     continue
-                variants = {f"layer ({layer_cfg.kind} {layer_cfg.block_m})": fold_config(layer_cfg, k)}
+                variants = {f"layer ({layer_cfg.kind} {layer_cfg.block_m}{' nf' if layer_cfg.n_fastest else ''})":
+                            fold_config(layer_cfg, k)}
                 only = [v.strip() for v in args.only.split(",") if v.strip()]
                 unknown = [v for v in only if v not in CANDIDATES]
                 if unknown:
                     raise SystemExit(f"--only: unknown candidates {unknown}; known: {list(CANDIDATES)}")
                 variants.update({c_name: fold_config(c, k) for c_name, c in CANDIDATES.items()
                                  if not only or c_name in only})
+                if args.layer_twins:
+                    variants["layer again"] = variants[next(iter(variants))]
+                    if layer_cfg.kind == "swap" and layer_cfg.split_k == 1:
+                        flipped = dataclasses.replace(layer_cfg, n_fastest=not layer_cfg.n_fastest)
+                        variants["layer nf" if flipped.n_fastest else "layer mf"] = fold_config(flipped, k)
                 calls, per_route = {}, {}
                 for v_name, c in variants.items():
                     align = moe_align(ids, r.num_local, r.first_expert, c.block_m, w)
@@ -149,18 +159,23 @@ def main():
                         calls[v_name] = call
                         per_route[v_name] = call
                 res = {}
-                for _ in range(2):  # interleaved
+                for _ in range(args.rounds):  # interleaved
                     for v_name, call in calls.items():
                         res.setdefault(v_name, []).append(graph_us(call, dev, args.reps))
                 names = list(variants)
                 ref = per_route[names[0]]()
                 base = min(res[names[0]])
+                med = {v: sorted(res[v])[len(res[v]) // 2] for v in names}
                 parts = []
                 for v_name in names[1:]:
                     same = all(torch.equal(per_route[v_name](), ref) for _ in range(3))
                     us = min(res[v_name])
-                    parts.append(f"{v_name} {us:.1f} us x{base / us:.3f}{'' if same else ' NOT BITWISE the layer config'}")
-                say(f"{name} T={t} {gemm}: {names[0]} {base:.1f} us; " + "; ".join(parts))
+                    spread = (f" (median {med[v_name]:.1f} x{med[names[0]] / med[v_name]:.3f})"
+                              if args.rounds > 2 else "")
+                    parts.append(f"{v_name} {us:.1f} us x{base / us:.3f}{spread}"
+                                 f"{'' if same else ' NOT BITWISE the layer config'}")
+                say(f"{name} T={t} {gemm}: {names[0]} {base:.1f} us"
+                    + (f" (median {med[names[0]]:.1f})" if args.rounds > 2 else "") + "; " + "; ".join(parts))
         del layer
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()

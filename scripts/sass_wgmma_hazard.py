@@ -229,7 +229,8 @@ def main():
         found, regs = _row(label, cfg, k, gather, extra)
         result[label] = found
         print(f"{label:34s} {cfg.kind:4s} {cfg.block_m:3d}x{cfg.block_n} stages {cfg.num_stages} unroll {cfg.unroll} "
-              f"cap {cfg.maxnreg} pairs {cfg.a_bf16!s:5s} fold {('-' if not cfg.fold_sa else cfg.fold_order if cfg.kind == 'swap' else 'on'):5s} K={k:5d}: "
+              f"cap {cfg.maxnreg} pairs {cfg.a_bf16!s:5s} fold {('-' if not cfg.fold_sa else cfg.fold_order if cfg.kind == 'swap' else 'on'):5s} "
+              f"{'nf ' if cfg.n_fastest else ''}K={k:5d}: "
               f"{len(found):4d} hazards, {regs} registers")
         for h in found[:args.show]:
             print(f"    {h}")
