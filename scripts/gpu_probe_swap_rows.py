@@ -73,6 +73,15 @@ CANDIDATES = {
     "swap 64 4w s3 nf": GemmConfig(64, 128, 4, 3, n_fastest=True, **SWAP),
     "swap 64 4w s3 u2 nf": GemmConfig(64, 128, 4, 3, unroll=2, n_fastest=True, **SWAP),
     "swap 32 4w s3 nf": GemmConfig(32, 128, 4, 3, n_fastest=True, **SWAP),
+    # session 19: n_fastest is the layer's default for 32/64-row swap blocks (layer bench A/B:
+    # Flash T=8192 1.10x, T=2048 1.08x); the other shapes again, launched that way
+    "swap 64 4w s4 r168 nf": GemmConfig(64, 128, 4, 4, maxnreg=168, n_fastest=True, **SWAP),
+    "swap 64 4w s2 r168 nf": GemmConfig(64, 128, 4, 2, maxnreg=168, n_fastest=True, **SWAP),
+    "swap 128x128 4w s2 nf": GemmConfig(128, 128, 4, 2, n_fastest=True, **SWAP),
+    "swap 64x256 8w s3 nf": GemmConfig(64, 256, 8, 3, n_fastest=True, **SWAP),
+    "swap 32 4w s3 u2 nf": GemmConfig(32, 128, 4, 3, unroll=2, n_fastest=True, **SWAP),
+    "swap 128x64 4w s3 u2 nf": GemmConfig(128, 64, 4, 3, unroll=2, n_fastest=True, **SWAP),
+    "swap 64 4w s3 u2 r168 nf": GemmConfig(64, 128, 4, 3, unroll=2, maxnreg=168, n_fastest=True, **SWAP),
 }
 
 
