@@ -241,7 +241,11 @@ def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str,
         up = dataclasses.replace(swap64, maxnreg=168)
         return up, up
     if fold_swap and mma64 and whole and i <= 1024 and rows >= 64:
-        return swap64, dataclasses.replace(swap64, unroll=2)
+        # NOTE (session 19, docs/bench/2026-11-30/session19/probe_pro_3df8c5a.txt, H200,
+        # graphs, 3 interleaved rounds, us, weight blocks fastest): the short-K down with a
+        # 168-register cap (188 -> 168, 2 -> 3 programs per SM): T=4096 745.1 -> 658.1,
+        # T=8192 1232.6 -> 1094.5 (the cap on gate_up: not measured faster, see above).
+        return swap64, dataclasses.replace(swap64, unroll=2, maxnreg=168)
     capped = GemmConfig(64, 128, 4, 2, asm=True, a_bf16=True, maxnreg=168)
     if mma64 and whole and i >= 2048 and rows >= 40:
         down = GemmConfig(64, 128, 4, 3, asm=True, a_bf16=True)

@@ -106,7 +106,7 @@ def hazards(ins: list[tuple[int, str]]) -> list[str]:
 
 def compile_swap(consts: dict, num_warps: int = 4, maxnreg: int | None = None, kernel: str = "swap"):
     """Compile the routed GEMM body for sm_90a exactly as a launch would (constexprs = the
-    wrapper's). Returns (sass text, registers per thread)."""
+    wrapper's). Returns (sass text, registers per thread, stack bytes per thread)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -131,7 +131,8 @@ def compile_swap(consts: dict, num_warps: int = 4, maxnreg: int | None = None, k
         sass = subprocess.run([_tool("cuobjdump"), "-sass", cub], capture_output=True, text=True, check=True).stdout
         res = subprocess.run([_tool("cuobjdump"), "-res-usage", cub], capture_output=True, text=True).stdout
     regs = re.search(r"REG:(\d+)", res)
-    return sass, int(regs.group(1)) if regs else -1
+    stack = re.search(r"STACK:(\d+)", res)  # a stack frame in these bodies means spilled registers
+    return sass, (int(regs.group(1)) if regs else -1), (int(stack.group(1)) if stack else -1)
 
 
 def config_constexprs(cfg, k: int, gather: bool) -> dict:
@@ -199,8 +200,8 @@ def session16_variants():
 
 def _row(label, cfg, k, gather, extra=None):
     consts = dict(config_constexprs(cfg, k, gather), **(extra or {}))
-    sass, regs = compile_swap(consts, cfg.num_warps, cfg.maxnreg, "swap" if cfg.kind == "swap" else "tile")
-    return hazards(parse_sass(sass)), regs
+    sass, regs, stack = compile_swap(consts, cfg.num_warps, cfg.maxnreg, "swap" if cfg.kind == "swap" else "tile")
+    return hazards(parse_sass(sass)), regs, stack
 
 
 def main():
@@ -226,12 +227,12 @@ def main():
         rows = [(label, cfg, k, gather, {}) for (cfg, k, gather), label in keyed.items()]
     result = {}
     for label, cfg, k, gather, extra in rows:
-        found, regs = _row(label, cfg, k, gather, extra)
+        found, regs, stack = _row(label, cfg, k, gather, extra)
         result[label] = found
         print(f"{label:34s} {cfg.kind:4s} {cfg.block_m:3d}x{cfg.block_n} stages {cfg.num_stages} unroll {cfg.unroll} "
               f"cap {cfg.maxnreg} pairs {cfg.a_bf16!s:5s} fold {('-' if not cfg.fold_sa else cfg.fold_order if cfg.kind == 'swap' else 'on'):5s} "
               f"{'nf ' if cfg.n_fastest else ''}K={k:5d}: "
-              f"{len(found):4d} hazards, {regs} registers")
+              f"{len(found):4d} hazards, {regs} registers, stack {stack}")
         for h in found[:args.show]:
             print(f"    {h}")
     if args.self_test:

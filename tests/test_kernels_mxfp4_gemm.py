@@ -441,12 +441,13 @@ def test_mma64_guards_and_select_config():
         assert (up.kind, up.block_m, up.a_bf16, up.unroll, up.maxnreg) == ("swap", bm, True, 1, None), (t, up)
         assert down == dataclasses.replace(up, unroll=2, fold_order=down.fold_order), (t, down)
     # session 18: from 64 rows per expert (T >= 4096) 64-row folded swap blocks on one
-    # warpgroup, 3 stages, both GEMMs on scaled pairs; the short-K down unrolled twice
+    # warpgroup, 3 stages, both GEMMs on scaled pairs; the short-K down unrolled twice and
+    # (session 19) capped at 168 registers
     for t in (4096, 8192, 16384):
         up, down = routed_configs(t * 6, pro_tp8)
         assert (up.kind, up.block_m, up.num_warps, up.num_stages, up.a_bf16, up.fold_sa, up.fold_order,
                 up.maxnreg, up.unroll) == ("swap", 64, 4, 3, True, True, "wait", None, 1), (t, up)
-        assert down == dataclasses.replace(up, unroll=2), (t, down)
+        assert down == dataclasses.replace(up, unroll=2, maxnreg=168), (t, down)
     assert routed_configs(4095 * 6, pro_tp8)[0].block_m == 32
     flash = RoutedExpertWeights(shape(256, 4096, 2048), shape(256, 4096, 128), shape(256, 4096, 1024),
                                 shape(256, 4096, 64), first_expert=0, num_experts=256, layout="mma64")
@@ -807,3 +808,34 @@ def test_n_fastest_launch_order_same_bits():
                                 config=dataclasses.replace(cfg, n_fastest=True))
         rows = a.route_rows.long()
         assert torch.equal(nf[rows].view(torch.int16), base[rows].view(torch.int16)), cfg
+
+
+def test_n_fastest_rule_and_switch(monkeypatch):
+    """routed_configs launches the unsplit 32- and 64-row swap GEMMs with the weight blocks
+    fastest (session 19's layer A/B); never the 16-row decode blocks, split-K, tile bodies or
+    a grid whose worst-case M-block count passes CUDA's y limit; DSV4_MOE_N_FASTEST=0
+    (rx.N_FASTEST False) turns it off and reaches the memoised configs."""
+    from dsv4_moe.kernels import routed_experts as rx
+    from dsv4_moe.weights.tensors import RoutedExpertWeights
+
+    def routed(e, h, i):
+        u8, e8 = torch.empty(1, dtype=torch.uint8), torch.empty(1, dtype=torch.float8_e8m0fnu)
+        return RoutedExpertWeights(u8.expand(e, 2 * i, h // 2), e8.expand(e, 2 * i, h // 32), u8.expand(e, h, i // 2),
+                                   e8.expand(e, h, i // 32), 0, e, "mma64")
+    flash, pro = routed(256, 4096, 2048), routed(384, 7168, 384)
+    assert rx.N_FASTEST is True
+    for r, t, nf in ((flash, 1, False), (flash, 16, False), (flash, 256, False),  # 16-row blocks
+                     (flash, 512, True), (flash, 1024, True), (flash, 8192, True),  # 32 / 64 rows
+                     (pro, 1, False), (pro, 1024, False), (pro, 2048, True), (pro, 8192, True)):
+        for c in rx.routed_configs(t * 6, r):
+            assert c.n_fastest == nf and (not nf or (c.kind == "swap" and c.block_m >= 32 and c.split_k == 1)), \
+                (r.hidden, t, c)
+    # the tile bodies (swap fold off) never
+    assert not any(c.n_fastest for c in rx._routed_configs(8192 * 6, 256, 2048, 4096, "mma64", True, False, True))
+    # a grid past 65535 M-blocks keeps the m-blocks fastest (rather than a launch error)
+    up, _ = rx._routed_configs(65536 * 64, 256, 2048, 4096, "mma64", True, True, True)
+    assert up.kind == "swap" and not up.n_fastest
+    assert rx._n_fastest(GemmConfig(64, 128, 4, 3, kind="swap"), 65535 * 64 - 256 * 64, 256).n_fastest
+    assert not rx._n_fastest(GemmConfig(64, 128, 4, 3, kind="swap"), 65535 * 64, 256).n_fastest
+    monkeypatch.setattr(rx, "N_FASTEST", False)
+    assert not any(c.n_fastest for t in (1024, 8192) for c in rx.routed_configs(t * 6, flash))

@@ -120,6 +120,8 @@ def test_explain_routed_gemm_plan(monkeypatch):
     assert f"(one MMA chain over K, {order[down.fold_order]}" in text, text
     up, down = rx.routed_configs(256 * CFG.num_experts_per_tok, layer.routed)  # 96 rows per expert
     assert (up.kind, up.block_m) == ("swap", 64) and "down swap 64x128" in layer.explain(256), layer.explain(256)
+    assert up.n_fastest and "weight blocks fastest in the grid" in layer.explain(256)
+    assert "weight blocks fastest" not in layer.explain(16)  # 16-row blocks keep the m-blocks fastest
     monkeypatch.setattr(rx, "FOLD_SWAP", False)
     assert "per-128-block scaling (DSV4_MOE_FOLD_SWAP=0)" in layer.explain(16)
     up, down = rx.routed_configs(256 * CFG.num_experts_per_tok, layer.routed)  # unfolded swaps: the tile
