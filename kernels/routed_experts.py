@@ -137,6 +137,9 @@ FOLD_SWAP = os.environ.get("DSV4_MOE_FOLD_SWAP", "1").strip() not in ("0", "", "
 # m-blocks fastest everywhere (the A/B switch of the measurement in _n_fastest's note).
 N_FASTEST = os.environ.get("DSV4_MOE_N_FASTEST", "1").strip() not in ("0", "", "false", "off")
 N_FASTEST_MIN_BLOCK_M = 32
+# Rows per local expert from which the Flash-shaped (I >= 2048) folded swap GEMMs take 64-row
+# blocks (see _base_configs' session 18 and 19 notes).
+FLASH_SWAP64_MIN_ROWS = 36.0
 
 
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
@@ -236,8 +239,12 @@ def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str,
     # tiles were slower at every size probed. Only the folded body fits: per-block
     # (DSV4_MOE_FOLD_SWAP=0 or DSV4_MOE_FOLD_ACT_SCALE=0) the 64-row swap needs 255 registers
     # and spills, so there the tile configs below stay, as for shapes off these rules.
+    # Session 19 (probe_flash_band_eb89f4e.txt, weight blocks fastest, 3 rounds, us, 32-row ->
+    # 64-row swap, gate_up + down): 34 rows (T=1450) 2183.6 -> 2353.1, 36 rows (T=1536) 2239.9
+    # -> 2017.6 (level in an earlier run: 2272.4 -> 2281.7), 39.8 rows (T=1700) 2519.7 ->
+    # 2191.0, so the 64-row band starts at 36 rows (was 40).
     swap64 = GemmConfig(64, 128, 4, 3, kind="swap", asm=True, a_bf16=True)
-    if fold_swap and mma64 and whole and i >= 2048 and rows >= 40:
+    if fold_swap and mma64 and whole and i >= 2048 and rows >= FLASH_SWAP64_MIN_ROWS:
         up = dataclasses.replace(swap64, maxnreg=168)
         return up, up
     if fold_swap and mma64 and whole and i <= 1024 and rows >= 64:

@@ -460,15 +460,15 @@ def test_mma64_guards_and_select_config():
     assert [routed_configs(t * 6, flash)[0].a_bf16 for t in (1, 4, 16, 1024)] == [False, True, True, True]
     # the Flash 32-row down: unrolled twice per-block, rolled when folded (the default since session 17)
     assert routed_configs(1024 * 6, flash)[1].unroll == 1 and routed_configs(1024 * 6, flash)[1].block_m == 32
-    # session 18: from 40 rows per expert (T >= 1707) both GEMMs run 64-row folded swap blocks
+    # session 18: from 40 rows per expert (session 19: 36, T >= 1536) both GEMMs run 64-row folded swap blocks
     # on one warpgroup, 3 stages, capped at 168 registers (was: the 64-row tile body); the
     # 32-row swap band below
-    for t in (1707, 2048, 4096, 8192):
+    for t in (1536, 1707, 2048, 4096, 8192):
         up, down = routed_configs(t * 6, flash)
         assert (up.kind, up.block_m, up.num_warps, up.num_stages, up.a_bf16, up.fold_sa, up.fold_order,
                 up.maxnreg, up.unroll) == ("swap", 64, 4, 3, True, True, "wait", 168, 1), (t, up)
         assert down == up, (t, down)
-    assert routed_configs(1536 * 6, flash)[0].kind == "swap" and routed_configs(1536 * 6, flash)[0].block_m == 32
+    assert routed_configs(1535 * 6, flash)[0].kind == "swap" and routed_configs(1535 * 6, flash)[0].block_m == 32
     # per-block swap bodies (DSV4_MOE_FOLD_SWAP=0 / DSV4_MOE_FOLD_ACT_SCALE=0) would spill at 64
     # rows: there the 64-row tile body stays (session 12's configs)
     from dsv4_moe.kernels.routed_experts import _routed_configs
