@@ -140,6 +140,8 @@ N_FASTEST_MIN_BLOCK_M = 32
 # Rows per local expert from which the Flash-shaped (I >= 2048) folded swap GEMMs take 64-row
 # blocks (see _base_configs' session 18 and 19 notes).
 FLASH_SWAP64_MIN_ROWS = 36.0
+# ... and the Pro-shaped (I <= 1024) ones.
+PRO_SWAP64_MIN_ROWS = 40.0
 
 
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
@@ -247,11 +249,14 @@ def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str,
     if fold_swap and mma64 and whole and i >= 2048 and rows >= FLASH_SWAP64_MIN_ROWS:
         up = dataclasses.replace(swap64, maxnreg=168)
         return up, up
-    if fold_swap and mma64 and whole and i <= 1024 and rows >= 64:
+    if fold_swap and mma64 and whole and i <= 1024 and rows >= PRO_SWAP64_MIN_ROWS:
         # NOTE (session 19, docs/bench/2026-11-30/session19/probe_pro_3df8c5a.txt, H200,
         # graphs, 3 interleaved rounds, us, weight blocks fastest): the short-K down with a
         # 168-register cap (188 -> 168, 2 -> 3 programs per SM): T=4096 745.1 -> 658.1,
         # T=8192 1232.6 -> 1094.5 (the cap on gate_up: not measured faster, see above).
+        # Session 19 (probe_pro_band_5ee6f48.txt, us, 32-row -> 64-row, gate_up + down):
+        # 32 rows (T=2048) 1086.1 -> 1147.2, 48 rows (T=3072) 1461.3 -> 1131.6, 56 rows
+        # (T=3600) 1565.6 -> 1307.5: the band starts at 40 rows (was 64).
         return swap64, dataclasses.replace(swap64, unroll=2, maxnreg=168)
     capped = GemmConfig(64, 128, 4, 2, asm=True, a_bf16=True, maxnreg=168)
     if mma64 and whole and i >= 2048 and rows >= 40:

@@ -440,15 +440,15 @@ def test_mma64_guards_and_select_config():
         up, down = routed_configs(t * 6, pro_tp8)
         assert (up.kind, up.block_m, up.a_bf16, up.unroll, up.maxnreg) == ("swap", bm, True, 1, None), (t, up)
         assert down == dataclasses.replace(up, unroll=2, fold_order=down.fold_order), (t, down)
-    # session 18: from 64 rows per expert (T >= 4096) 64-row folded swap blocks on one
+    # session 18: from 64 rows per expert (session 19: 40) 64-row folded swap blocks on one
     # warpgroup, 3 stages, both GEMMs on scaled pairs; the short-K down unrolled twice and
     # (session 19) capped at 168 registers
-    for t in (4096, 8192, 16384):
+    for t in (2560, 4096, 8192, 16384):  # session 19: from 40 rows (T >= 2560; was 64)
         up, down = routed_configs(t * 6, pro_tp8)
         assert (up.kind, up.block_m, up.num_warps, up.num_stages, up.a_bf16, up.fold_sa, up.fold_order,
                 up.maxnreg, up.unroll) == ("swap", 64, 4, 3, True, True, "wait", None, 1), (t, up)
         assert down == dataclasses.replace(up, unroll=2, maxnreg=168), (t, down)
-    assert routed_configs(4095 * 6, pro_tp8)[0].block_m == 32
+    assert routed_configs(2559 * 6, pro_tp8)[0].block_m == 32
     flash = RoutedExpertWeights(shape(256, 4096, 2048), shape(256, 4096, 128), shape(256, 4096, 1024),
                                 shape(256, 4096, 64), first_expert=0, num_experts=256, layout="mma64")
     for t in (1, 16, 256):  # long-K down (K = 2048): no cap, no unroll on 16-row blocks
