@@ -99,7 +99,8 @@ class GemmConfig:
     fold_order: str = "wait"
     # "swap": launch order with the weight blocks (N) fastest, so the programs of one M-block run
     # together (its activation rows and its expert's weights read from DRAM about once); False
-    # (default) walks the M-blocks first. Same programs, same bits.
+    # walks the M-blocks first. Same programs, same bits. routed_configs sets it on the unsplit
+    # 32/64-row swap GEMMs (session 19: Flash layer T = 8192 1.10x; see routed_experts._n_fastest).
     n_fastest: bool = False
 
     def __post_init__(self) -> None:

@@ -172,6 +172,11 @@ def _n_fastest(cfg: GemmConfig, num_routes: int, num_local: int) -> GemmConfig:
     """cfg launched with its weight blocks fastest in the grid where that applies (unsplit
     swap configs on blocks of at least N_FASTEST_MIN_BLOCK_M rows, while the alignment's
     worst-case block count fits the grid's y dimension)."""
+    # NOTE (session 19, H200, layer bench A/B, docs/bench/2026-11-30/session19/ab_*_a7665d0.json,
+    # graphs, us, m-fastest -> n-fastest, same rel_err): Flash T=512 1721.7 -> 1695.4, T=1024
+    # 1856.3 -> 1784.0, T=2048 2450.8 -> 2269.2, T=4096 4757.3 -> 4525.1, T=8192 8668.2 ->
+    # 7912.1; Pro-TP8 T=2048 1394.8 -> 1369.2, T=4096 2150.1 -> 2107.2, T=8192 3852.4 -> 3530.6.
+    # The 16-row decode blocks: 0.98-1.01x per GEMM (probe_decode_twins_a7665d0.txt), noise.
     max_blocks = -(-num_routes // max(cfg.block_m, 1)) + min(num_local, num_routes)
     if (cfg.kind == "swap" and cfg.split_k == 1 and cfg.block_m >= N_FASTEST_MIN_BLOCK_M
             and max_blocks <= 65535):
@@ -243,7 +248,7 @@ def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str,
     # and spills, so there the tile configs below stay, as for shapes off these rules.
     # Session 19 (probe_flash_band_eb89f4e.txt, weight blocks fastest, 3 rounds, us, 32-row ->
     # 64-row swap, gate_up + down): 34 rows (T=1450) 2183.6 -> 2353.1, 36 rows (T=1536) 2239.9
-    # -> 2017.6 (level in an earlier run: 2272.4 -> 2281.7), 39.8 rows (T=1700) 2519.7 ->
+    # -> 2017.6 (level in an earlier run: 2272.9 -> 2281.7), 39.8 rows (T=1700) 2519.7 ->
     # 2191.0, so the 64-row band starts at 36 rows (was 40).
     swap64 = GemmConfig(64, 128, 4, 3, kind="swap", asm=True, a_bf16=True)
     if fold_swap and mma64 and whole and i >= 2048 and rows >= FLASH_SWAP64_MIN_ROWS:

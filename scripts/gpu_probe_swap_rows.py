@@ -16,12 +16,12 @@ them bitwise equal).
     TRITON_INTERPRET=1 python3 scripts/gpu_probe_swap_rows.py --presets tiny --ts 8 --device cpu --reps 1
                                                               (a dry run of the script on CPU)
 
-First run: session 18 (docs/bench/2026-11-30/session18/probe_swap_rows_*.txt). Not yet timed
-(added at the end of session 18, CPU dry run only): the 256-weight-row blocks on two
-warpgroups and the n_fastest launch order ("... nf"). Next:
-    python3 scripts/gpu_probe_swap_rows.py --presets flash --ts 2048,8192 --only 'swap 64 4w s3 r168,swap 64 4w s3 r168 nf,swap 64x256 8w s2,swap 64x256 8w s3,swap 64x256 8w s4,swap 32x256 8w s3'
-    python3 scripts/gpu_probe_swap_rows.py --presets pro-tp8 --ts 4096,8192 --only 'swap 64 4w s3,swap 64 4w s3 nf,swap 64 4w s3 u2 nf,swap 64x256 8w s3'
-    python3 scripts/gpu_probe_swap_rows.py --presets flash --ts 1024 --only 'swap 32 4w s3 nf,swap 32x256 8w s3'
+First run: session 18 (docs/bench/2026-11-30/session18/probe_swap_rows_*.txt). Session 19
+(docs/bench/2026-11-30/session19/) timed the n_fastest launch order (now the layer's default for
+32/64-row swap blocks) and the 256-weight-row blocks on two warpgroups (slower), and moved the
+64-row bands. `--layer-twins` adds the layer config timed twice (the noise floor: up to 8 % at
+T = 8192) and with n_fastest flipped; `--rounds N` interleaves N timing rounds (min and median).
+    python3 scripts/gpu_probe_swap_rows.py --presets flash --ts 1536,2048,8192 --only 'swap 64 4w s4 r168 nf' --layer-twins --rounds 3
 """
 import argparse
 import dataclasses
