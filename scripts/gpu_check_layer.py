@@ -222,12 +222,22 @@ def main(argv=None) -> int:
     p.add_argument("--no-checkpoint", action="store_true")
     p.add_argument("--front-only", action="store_true", help="only the one-launch decode front's checks")
     p.add_argument("--cases", default="flash,pro-tp8,flash-nk", help="which layer cases to run")
+    p.add_argument("--tokens", default="", help="comma-separated T list for the flash / pro-tp8 cases "
+                                                  "(default: the full or --quick list)")
     args = p.parse_args(argv)
     out_dir = os.environ.get("OUT", "./out")
     os.makedirs(out_dir, exist_ok=True)
     rows: list[dict] = []
     dev = torch.device("cuda")
-    tokens = [1, 4, 16, 256] if args.quick else [1, 2, 3, 4, 16, 256, 1000, 2048, 4096]
+    # 1536 / 3072: the 64-row swap bands of session 19 (Flash from 36 rows per expert, Pro-TP8 from 40)
+    tokens = [1, 4, 16, 256] if args.quick else [1, 2, 3, 4, 16, 256, 1000, 1536, 2048, 3072, 4096]
+    if args.tokens:
+        try:
+            tokens = [int(v) for v in args.tokens.split(",")]
+        except ValueError:
+            p.error(f"--tokens={args.tokens!r}: expected comma-separated ints")
+        if any(t < 1 for t in tokens):
+            p.error(f"--tokens={args.tokens!r}: every T must be >= 1")
     # Pro at TP8 is run as the per-rank layer (I = 384) on its own: one GPU holds one rank,
     # and the cross-rank reduce is torch.distributed's (tested on CPU with gloo).
     pro_rank = MoEConfig.pro().replace(moe_intermediate_size=384, name="pro-tp8-rank")
