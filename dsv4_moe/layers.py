@@ -17,6 +17,7 @@ Data flow of DeepseekV4MoE.forward (x [T, H] bf16):
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -132,7 +133,8 @@ class DeepseekV4MoE(_NativeBuffers):
     `routed_layout` is the byte order the layer keeps the routed experts' packed codes
     in (weights/mma_layout.py): "auto" (default) takes "mma64" on CUDA when both expert
     GEMMs have whole 64 x 128 tiles (the Hopper kernels' fast layout) and keeps the
-    given layout otherwise; "nk" / "mma64" force one. A conversion makes new tensors
+    given layout otherwise; "nk" / "mma64" force one ("mma64e", experimental: the same tiles
+    with every word re-encoded for a cheaper conversion, not yet run on the H200). A conversion makes new tensors
     (the caller's are never modified); `explain()` states the layout and why.
 
     `overlap_shared` ("auto" default, True, False): on CUDA the shared expert can run on a
@@ -288,7 +290,7 @@ class DeepseekV4MoE(_NativeBuffers):
 
     def set_routed_layout(self, layout: str = "auto") -> "DeepseekV4MoE":
         """Re-order the routed experts' packed codes in place of the layer's buffers
-        ("auto", "nk" or "mma64", as the constructor's `routed_layout`), e.g. after moving
+        ("auto", "nk", "mma64" or "mma64e", as the constructor's `routed_layout`), e.g. after moving
         a layer built on the CPU to CUDA. Returns self."""
         r = self.routed
         layout, why = choose_routed_layout(r, layout)
@@ -370,7 +372,7 @@ class DeepseekV4MoE(_NativeBuffers):
                              if cfg.fold_sa else
                              ", per-128-block scaling (DSV4_MOE_FOLD_SWAP=0)"
                              if cfg.kind == "swap" and rx.FOLD_ACT_SCALE and not rx.FOLD_SWAP and
-                             self.routed.layout == "mma64" else "",
+                             self.routed.layout in ("mma64", "mma64e") else "",
                              f", {cfg.maxnreg}-register cap" if cfg.maxnreg else "",
                              f", K loop unrolled {cfg.unroll}x" if cfg.unroll > 1 and cfg.kind == "swap" else
                              f", {cfg.unroll} K blocks per step" if cfg.unroll > 1 else "",
@@ -391,6 +393,14 @@ def choose_routed_layout(r: RoutedExpertWeights, requested: str = "auto") -> tup
 
     if requested != "auto" and requested not in LAYOUTS:
         raise ValueError(f"routed_layout={requested!r}: expected 'auto' or one of {LAYOUTS}")
+    if requested == "mma64e":
+        if r.gate_up.device.type == "cuda" and os.environ.get("DSV4_MOE_EXPERIMENTAL_MMA64E", "0") != "1":
+            raise ValueError("routed_layout='mma64e' is experimental (session 19: bitwise 'mma64' under the CPU "
+                             "interpreter, not yet run on the H200); set DSV4_MOE_EXPERIMENTAL_MMA64E=1 to use it "
+                             "on CUDA, or take 'auto' / 'mma64'")
+        return requested, ("requested (experimental, session 19: the re-encoded 'mma64' bytes, 8 instead of 14 "
+                           "conversion instructions per 8 weights in the SASS; bitwise 'mma64' under the CPU "
+                           "interpreter, not yet run on the H200)")
     if requested != "auto":
         return requested, "requested"
     if r.gate_up.device.type != "cuda":

@@ -141,28 +141,91 @@ _E2M1X4_LO_SWZ_ASM = tl.constexpr(_swz_ptx("$2", ("$0", "$1", "$3", "$4"), None)
 _E2M1X4_HI_SWZ_ASM = tl.constexpr(_swz_ptx("$2", None, ("$0", "$1", "$3", "$4")))
 
 
+# The "mma64e" layout (weights/mma_layout.py, experimental): each stored word re-encoded so
+# that output r is (XOR of the word rotated right by s, s in _ENC_OUTPUTS[r]) & 0x81C081C0,
+# the signed bf16 pattern before the scale, as above: 4 funnel shifts + 4 LOP3 (ptxas folds
+# xor + and) + 4 HMUL2 per 8 weights, against 2 PRMT + 10 shift / LOP3 + 4 HMUL2 for "mma64".
+# The rotation amounts here must be weights.mma_layout._ENC_OUTPUTS (tested).
+def _enc_ptx(packed: str, lo: tuple | None, hi: tuple | None) -> str:
+    """PTX of the "mma64e" construction for one stored register: the even-k pairs into
+    lo = (out0, out1, scale0, scale1), the odd-k pairs into hi."""
+    text = ["{", ".reg .b32 a, b, c, t;"]
+    if lo:
+        text += [f"and.b32 t, {packed}, 0x81C081C0;", f"mul.rn.bf16x2 {lo[0]}, t, {lo[2]};",
+                 f"shf.r.wrap.b32 t, {packed}, {packed}, 12;", "and.b32 t, t, 0x81C081C0;",
+                 f"mul.rn.bf16x2 {lo[1]}, t, {lo[3]};"]
+    if hi:
+        text += [f"shf.r.wrap.b32 a, {packed}, {packed}, 2;", f"shf.r.wrap.b32 b, {packed}, {packed}, 6;",
+                 f"shf.r.wrap.b32 c, {packed}, {packed}, 8;",
+                 "xor.b32 t, a, b;", "and.b32 t, t, 0x81C081C0;", f"mul.rn.bf16x2 {hi[0]}, t, {hi[2]};",
+                 "xor.b32 t, a, c;", "and.b32 t, t, 0x81C081C0;", f"mul.rn.bf16x2 {hi[1]}, t, {hi[3]};"]
+    return "\n" + "\n".join(text + ["}"]) + "\n"
+
+
+_E2M1X4_TO_BF16_ENC_ASM = tl.constexpr(_enc_ptx("$4", ("$0", "$1", "$5", "$6"), ("$2", "$3", "$5", "$6")))
+_E2M1X4_LO_ENC_ASM = tl.constexpr(_enc_ptx("$2", ("$0", "$1", "$3", "$4"), None))
+_E2M1X4_HI_ENC_ASM = tl.constexpr(_enc_ptx("$2", None, ("$0", "$1", "$3", "$4")))
+
+
 @triton.jit
-def _dequant_w_swz_asm(packed, sb4, BLOCK_N: tl.constexpr):
+def _dequant_w_swz_asm(packed, sb4, BLOCK_N: tl.constexpr, ENC: tl.constexpr = False):
     """As _dequant_w_asm, by _E2M1X4_TO_BF16_SWZ_ASM (GPU only); the scales are handed
     over as bf16 2^(s-1), one per element (packed two per register by Triton)."""
     p3 = tl.reshape(packed.to(tl.uint8), (BLOCK_N, 4, 16))
-    w_lo, w_hi = tl.inline_asm_elementwise(
-        _E2M1X4_TO_BF16_SWZ_ASM, "=r,=r,=r,=r,r,r,r", [p3, _scales_bf16(sb4, BLOCK_N)],
-        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    if ENC:
+        w_lo, w_hi = tl.inline_asm_elementwise(
+            _E2M1X4_TO_BF16_ENC_ASM, "=r,=r,=r,=r,r,r,r", [p3, _scales_bf16(sb4, BLOCK_N)],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        w_lo, w_hi = tl.inline_asm_elementwise(
+            _E2M1X4_TO_BF16_SWZ_ASM, "=r,=r,=r,=r,r,r,r", [p3, _scales_bf16(sb4, BLOCK_N)],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     return tl.reshape(w_lo, (BLOCK_N, 64)), tl.reshape(w_hi, (BLOCK_N, 64))
 
 
 @triton.jit
-def _dequant_w_swz_asm_half(packed, sb4, BLOCK_N: tl.constexpr, HI: tl.constexpr):
+def _dequant_w_swz_asm_half(packed, sb4, BLOCK_N: tl.constexpr, HI: tl.constexpr, ENC: tl.constexpr = False):
     """One of _dequant_w_swz_asm's two tiles: the even-k one (HI False) or the odd-k one."""
     p3 = tl.reshape(packed.to(tl.uint8), (BLOCK_N, 4, 16))
     if HI:
-        w = tl.inline_asm_elementwise(_E2M1X4_HI_SWZ_ASM, "=r,=r,r,r,r", [p3, _scales_bf16(sb4, BLOCK_N)],
-                                      dtype=tl.bfloat16, is_pure=True, pack=4)
+        w = tl.inline_asm_elementwise(_E2M1X4_HI_ENC_ASM if ENC else _E2M1X4_HI_SWZ_ASM, "=r,=r,r,r,r",
+                                      [p3, _scales_bf16(sb4, BLOCK_N)], dtype=tl.bfloat16, is_pure=True, pack=4)
     else:
-        w = tl.inline_asm_elementwise(_E2M1X4_LO_SWZ_ASM, "=r,=r,r,r,r", [p3, _scales_bf16(sb4, BLOCK_N)],
-                                      dtype=tl.bfloat16, is_pure=True, pack=4)
+        w = tl.inline_asm_elementwise(_E2M1X4_LO_ENC_ASM if ENC else _E2M1X4_LO_SWZ_ASM, "=r,=r,r,r,r",
+                                      [p3, _scales_bf16(sb4, BLOCK_N)], dtype=tl.bfloat16, is_pure=True, pack=4)
     return tl.reshape(w, (BLOCK_N, 64))
+
+
+@triton.jit
+def _rotr32(w, S: tl.constexpr):
+    """Rotate uint32 values right by S bits (0 < S < 32)."""
+    return (w >> S) | (w << (32 - S))
+
+
+@triton.jit
+def _enc_code(o, H: tl.constexpr):
+    """The e2m1 code (sign << 3 | magnitude) in 16-bit half H of a decoded "mma64e" output."""
+    return ((o >> (6 + 16 * H)) & 7) | (((o >> (15 + 16 * H)) & 1) << 3)
+
+
+@triton.jit
+def _mma64e_decode(s, BLOCK_N: tl.constexpr):
+    """Stored "mma64e" bytes [BLOCK_N // 64, 16, 256] -> the same tile in "mma64" bytes (what
+    the plain / interpreted bodies unswizzle and convert; the PTX path decodes in registers)."""
+    b = tl.reshape(s.to(tl.uint32), (BLOCK_N // 64, 16, 64, 4))
+    sh = (tl.arange(0, 4) * 8).to(tl.uint32)
+    w = tl.sum(b << sh[None, None, None, :], axis=3)       # disjoint bits: the sum is the OR
+    r2 = _rotr32(w, 2)
+    o0 = w & 0x81C081C0
+    o1 = _rotr32(w, 12) & 0x81C081C0
+    o2 = (r2 ^ _rotr32(w, 6)) & 0x81C081C0
+    o3 = (r2 ^ _rotr32(w, 8)) & 0x81C081C0
+    b0 = _enc_code(o0, 0) | (_enc_code(o2, 0) << 4)
+    b1 = _enc_code(o0, 1) | (_enc_code(o2, 1) << 4)
+    b2 = _enc_code(o1, 0) | (_enc_code(o3, 0) << 4)
+    b3 = _enc_code(o1, 1) | (_enc_code(o3, 1) << 4)
+    x = tl.join(tl.join(b0, b2), tl.join(b1, b3))           # [..., 64, 2, 2]: byte 2 i + j
+    return tl.reshape(x, (BLOCK_N // 64, 16, 256)).to(tl.uint8)
 
 
 @triton.jit

@@ -51,7 +51,7 @@ versions) and the "mma64" operand loads live in `_mxfp4_dequant.py`.
 import triton
 import triton.language as tl
 
-from ._mxfp4_dequant import (_dequant_w, _dequant_w_asm, _dequant_w_swz_asm, _dequant_w_swz_asm_half,
+from ._mxfp4_dequant import (_dequant_w, _dequant_w_asm, _dequant_w_swz_asm, _dequant_w_swz_asm_half, _mma64e_decode,
                              _mma64_tile_ptrs, _mma64_unswizzle,
                              _nibbles_to_f32)
 from ._triton_utils import pdl_enter, round_to_bf16
@@ -87,6 +87,7 @@ def _mxfp4_grouped_gemm_kernel(
     ASM: tl.constexpr = False,          # bf16 weights built by inline PTX (_dequant_w), GPU only
     W_SWZ: tl.constexpr = False,        # weights in the "mma64" layout (weights/mma_layout.py);
                                         # needs SCALE_BCAST, BLOCK_N % 64 == 0 and K % 128 == 0
+    W_ENC: tl.constexpr = False,        # ... re-encoded per word ("mma64e"; needs W_SWZ)
     A_BF16: tl.constexpr = False,  # activations given as bf16 pairs (as in the swap body; K % 128 == 0)
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
     FOLD_SA: tl.constexpr = False,  # as the swap body's (GemmConfig.fold_sa): one MMA chain over K
@@ -157,7 +158,10 @@ def _mxfp4_grouped_gemm_kernel(
         else:
             kmask = (k0 // 2 + kh)[None, :] < K // 2
         if W_SWZ:  # whole 128-blocks and 64-row tiles (the layout's precondition): no K mask
-            packed_u8 = _mma64_unswizzle(tl.load(w_ptrs + kb * 4096), BLOCK_N)
+            raw = tl.load(w_ptrs + kb * 4096)
+            if W_ENC and not ASM:  # the PTX decodes "mma64e" words in registers; this path first
+                raw = _mma64e_decode(raw, BLOCK_N)
+            packed_u8 = _mma64_unswizzle(raw, BLOCK_N)
         elif K % 128 == 0:
             packed_u8 = tl.load(w_ptrs + k0 // 2)
         else:
@@ -169,7 +173,7 @@ def _mxfp4_grouped_gemm_kernel(
             else:
                 sb4 = tl.load(sw_ptrs + k0 // 32, mask=(k0 // 32 + k4)[None, :] < K // 32, other=127)
             if ASM and W_SWZ:
-                w_lo, w_hi = _dequant_w_swz_asm(packed_u8, sb4, BLOCK_N)
+                w_lo, w_hi = _dequant_w_swz_asm(packed_u8, sb4, BLOCK_N, W_ENC)
             elif ASM:
                 w_lo, w_hi = _dequant_w_asm(packed_u8, sb4, BLOCK_N)
             else:
@@ -243,6 +247,7 @@ def _mxfp4_grouped_gemm_swap_kernel(
     SELECT_SUBNORMAL: tl.constexpr = False,
     ASM: tl.constexpr = False,
     W_SWZ: tl.constexpr = False,   # weights in the "mma64" layout (as in _mxfp4_grouped_gemm_kernel)
+    W_ENC: tl.constexpr = False,   # ... re-encoded per word ("mma64e"; needs W_SWZ)
     A_BF16: tl.constexpr = False,  # activations given as bf16, each 128-block as [64 even k | 64 odd k]
                                    # (K % 128 == 0): the MMA's second operand loads as is
     DIAG: tl.constexpr = 0,        # probes only (gpu_probe_swz.py --diag): 1 skip dequant, 2 skip MMA
@@ -337,10 +342,14 @@ def _mxfp4_grouped_gemm_swap_kernel(
         else:
             a_even, a_odd = tl.split(tl.reshape(tl.load(a_ptrs + k0), (BLOCK_M, 64, 2)))
         kmask = (k0 // 2 + kh)[None, :] < K // 2
-        if W_SWZ and K_MASKED:  # whole 128-blocks: only a split's tail block is masked
-            packed = _mma64_unswizzle(tl.load(w_ptrs + kb * 4096, mask=kb < K // 128, other=0), BLOCK_N)
-        elif W_SWZ:
-            packed = _mma64_unswizzle(tl.load(w_ptrs + kb * 4096), BLOCK_N)
+        if W_SWZ:
+            if K_MASKED:  # whole 128-blocks: only a split's tail block is masked (zero words decode to 0)
+                raw = tl.load(w_ptrs + kb * 4096, mask=kb < K // 128, other=0)
+            else:
+                raw = tl.load(w_ptrs + kb * 4096)
+            if W_ENC and not ASM:  # the PTX decodes "mma64e" words in registers; this path first
+                raw = _mma64e_decode(raw, BLOCK_N)
+            packed = _mma64_unswizzle(raw, BLOCK_N)
         elif K_MASKED:
             packed = tl.load(w_ptrs + k0 // 2, mask=kmask, other=0)
         else:
@@ -353,9 +362,9 @@ def _mxfp4_grouped_gemm_swap_kernel(
             w_lo = packed.to(tl.bfloat16) + tl.sum(sb4, axis=1).to(tl.bfloat16)[:, None]
             w_hi = w_lo
         elif SPLIT_HALVES:
-            w_lo = _dequant_w_swz_asm_half(packed, sb4, BLOCK_N, False)
+            w_lo = _dequant_w_swz_asm_half(packed, sb4, BLOCK_N, False, W_ENC)
         elif ASM and W_SWZ:
-            w_lo, w_hi = _dequant_w_swz_asm(packed, sb4, BLOCK_N)
+            w_lo, w_hi = _dequant_w_swz_asm(packed, sb4, BLOCK_N, W_ENC)
         elif ASM:
             w_lo, w_hi = _dequant_w_asm(packed, sb4, BLOCK_N)
         else:
@@ -371,7 +380,7 @@ def _mxfp4_grouped_gemm_swap_kernel(
             acc = tl.dot(w_lo.to(tl.bfloat16), tl.trans(a_even.to(tl.bfloat16)), acc)
             if SPLIT_HALVES:
                 tl.debug_barrier()
-                w_hi = _dequant_w_swz_asm_half(packed, sb4, BLOCK_N, True)
+                w_hi = _dequant_w_swz_asm_half(packed, sb4, BLOCK_N, True, W_ENC)
             acc = tl.dot(w_hi.to(tl.bfloat16), tl.trans(a_odd.to(tl.bfloat16)), acc)
             if FOLD_WAIT:
                 acc = _opaque_f32(acc)

@@ -6,7 +6,10 @@
     sa      [M_a, ceil(K/128)]    float32        act_quant scales (powers of two)
     w4      [E_local, N, K/2]     uint8          packed e2m1, low nibble = even k; byte order
                                                  `layout`: "nk" (row-major, the checkpoint's)
-                                                 or "mma64" (weights/mma_layout.py)
+                                                 or "mma64" (weights/mma_layout.py), or
+                                                 "mma64e" (its words re-encoded: experimental,
+                                                 bitwise "mma64" under the interpreter, not
+                                                 yet run on the H200)
     sw      [E_local, N, K/32]    e8m0 / uint8   weight scale per 32 along K
     align   MoeAlignment                          from `moe_align` (same block_m as config)
     out     [R, N] bf16 (scatter_out: row = route id t*k + slot; rows of non-local routes are
@@ -21,7 +24,9 @@ rows MMA, the dequantised weight as the register operand) and "gemv" (one route 
 program on the CUDA cores, for decode where most experts get one row). With "mma64"
 weights the tile and swap bodies load each thread's operand bytes as 16-byte vectors
 (no shared-memory byte gathers; swap SASS loop 751 -> ~510 instructions) and the swap
-body serves decode too (the GEMV reads only "nk"). All follow
+body serves decode too (the GEMV reads only "nk"). "mma64e" weights take the same bodies with
+a cheaper conversion PTX (4 funnel shifts + 4 LOP3 per 8 weights instead of 2 PRMT + 12
+shift / LOP3; the interpreted path decodes the words first). All follow
 SPEC §4.3 except that the four 32-wide partials of a 128-wide activation block are
 summed before the block's `acc += part * sa` (a documented deviation, docs/DESIGN.md). `select_config(num_routes,
 num_local, n, k)` picks by the expected rows per expert (measured on the H200, see
@@ -148,7 +153,7 @@ def select_config(num_routes: int, num_local: int, n: int, k: int, layout: str =
     parallelism gains), so split_k stays 1.
     """
     rows = num_routes / max(num_local, 1)
-    if layout == "mma64":
+    if layout in ("mma64", "mma64e"):
         return _select_mma64(rows, k)
     # NOTE (session 3, after the cheaper dequantisation PTX sped the MMA bodies up 8-14 %):
     # at T = 4 on Flash the tile body passes the GEMV (probe_mxfp4_asm.txt of session 3:
@@ -243,16 +248,16 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
     cfg = config or GemmConfig(block_m=align.block_m)
     if cfg.block_m != align.block_m:
         raise ValueError(f"config.block_m={cfg.block_m} differs from the alignment's block_m={align.block_m}")
-    if layout not in ("nk", "mma64"):
-        raise ValueError(f"layout={layout!r}: expected 'nk' or 'mma64'")
-    if layout == "mma64":
+    if layout not in ("nk", "mma64", "mma64e"):
+        raise ValueError(f"layout={layout!r}: expected 'nk', 'mma64' or 'mma64e'")
+    if layout in ("mma64", "mma64e"):
         from dsv4_moe.weights.mma_layout import mma64_supported  # noqa: PLC0415
 
         ok, why = mma64_supported(n, k)
         if not ok:
-            raise ValueError(f"w4: layout 'mma64' needs whole 64 x 128 tiles: {why}")
+            raise ValueError(f"w4: layout {layout!r} needs whole 64 x 128 tiles: {why}")
         if cfg.kind == "gemv" or cfg.block_n % 64 or not cfg.scale_bcast:
-            raise ValueError(f"config={cfg!r}: layout 'mma64' needs kind 'tile' or 'swap', block_n a "
+            raise ValueError(f"config={cfg!r}: layout {layout!r} needs kind 'tile' or 'swap', block_n a "
                              f"multiple of 64 and scale_bcast")
     out_rows = align.num_routes if scatter_out else align.max_rows
     if out is None:
@@ -273,7 +278,8 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
     sa = sa.contiguous()
     w4 = w4.contiguous()
     sw = sw.contiguous().view(torch.uint8)
-    swz = layout == "mma64"
+    swz = layout in ("mma64", "mma64e")
+    enc = layout == "mma64e"
     if a_pairs is not None and a_pairs_scaled != (cfg.fold_sa and cfg.a_bf16):
         raise ValueError(f"a_pairs_scaled={a_pairs_scaled}: config.fold_sa={cfg.fold_sa} takes "
                          f"{'scaled' if cfg.fold_sa else 'plain'} pairs")
@@ -290,12 +296,12 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
     elif a_pairs is not None:
         raise ValueError(f"a_pairs: given, but config.a_bf16 is False (config={cfg!r})")
     if cfg.fold_sa and cfg.kind == "swap" and not interpreting() and not (swz and cfg.asm):
-        raise ValueError(f"config.fold_sa=True on the swap body needs layout='mma64' and asm=True on CUDA "
+        raise ValueError(f"config.fold_sa=True on the swap body needs layout 'mma64' or 'mma64e' and asm=True on CUDA "
                          f"(got layout={layout!r}, asm={cfg.asm}): only that body is measured and checked in "
                          f"SASS (scripts/sass_wgmma_hazard.py) against ptxas < 13.3 reusing an in-flight "
                          f"wgmma's registers")
     if cfg.kind != "tile":
-        return _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz)
+        return _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz, enc)
     grid = (align.max_blocks, triton.cdiv(n, cfg.block_n))
     _mxfp4_grouped_gemm_kernel[grid](
         q, sa, w4, sw, out,
@@ -307,7 +313,7 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         SOFTWARE_BF16=interpreting(),
         A_SPLIT=cfg.a_split, W_KN=cfg.w_kn, SCALE_BCAST=cfg.scale_bcast, DIAG=cfg.diag,
-        ASM=cfg.asm and cfg.scale_bcast and not interpreting(), W_SWZ=swz, A_BF16=cfg.a_bf16,
+        ASM=cfg.asm and cfg.scale_bcast and not interpreting(), W_SWZ=swz, W_ENC=enc, A_BF16=cfg.a_bf16,
         FOLD_SA=cfg.fold_sa, num_warps=cfg.num_warps, **_launch_opts(cfg), **pdl_options(out.device),
     )
     return out
@@ -333,7 +339,7 @@ def bf16_pairs(q: torch.Tensor, sa: torch.Tensor | None = None) -> torch.Tensor:
     return out
 
 
-def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz):
+def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz, enc=False):
     """The "swap" and "gemv" bodies, optionally split over K with an ordered reduction."""
     import triton  # noqa: PLC0415
 
@@ -362,7 +368,7 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
                   ASM=cfg.asm and not interpreting(),
                   num_warps=cfg.num_warps, **_launch_opts(cfg), **pdl_options(out.device))
     if cfg.kind == "swap":
-        _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, W_SWZ=swz, A_BF16=cfg.a_bf16,
+        _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, W_SWZ=swz, W_ENC=enc, A_BF16=cfg.a_bf16,
                                               DIAG=cfg.diag, LOOP_UNROLL=cfg.unroll, FOLD_SA=cfg.fold_sa,
                                               FOLD_WAIT=cfg.fold_order == "wait", N_FASTEST=cfg.n_fastest,
                                               **common)

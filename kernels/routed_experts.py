@@ -34,6 +34,7 @@ import os
 
 import torch
 
+from dsv4_moe.weights.mma_layout import TILED_LAYOUTS
 from dsv4_moe.weights.tensors import RoutedExpertWeights
 
 from .moe_align import MoeAlignment, moe_align
@@ -156,7 +157,7 @@ def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str
     """routed_configs on the shapes and the module switches it reads (memoised: an eager
     forward asks twice, ~70 us of host time each on the H200's host before)."""
     up, down = _base_configs(num_routes, num_local, i, h, layout, fold and fold_swap)
-    if fold and layout == "mma64":
+    if fold and layout in TILED_LAYOUTS:
         up, down = _fold(up, h, fold_swap), _fold(down, i, fold_swap)
         # NOTE: folded ("wait"), the Flash-shaped 32-row down is faster with its K loop rolled
         # (H200, probe_fold32_down_ff7d770.txt, Flash T=1024, us: unroll 2 555.4, unroll 1
@@ -212,7 +213,7 @@ def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str,
     #     -> 564.3, 498.8 -> 421.3), above them 32-row blocks (T=2048: 921.1 -> 795.7,
     #     709.4 -> 641.1; 16-row blocks 978.1 / 692.2).
     rows = num_routes / max(num_local, 1)
-    mma64 = layout == "mma64"
+    mma64 = layout in TILED_LAYOUTS
     whole = h % 128 == 0 and i % 128 == 0
     # NOTE (session 12, docs/bench/2026-11-29/session12/probe_swz_prefill_pairs*_9a8ab78.txt,
     # H200, graphs, uniform routing, us, the config before -> now, bitwise): the tile body on

@@ -98,6 +98,9 @@ def main():
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--only", default="", help="comma-separated candidate names (default: all)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds (min and median reported)")
+    ap.add_argument("--enc", action="store_true",
+                    help="add 'layer mma64e': the layer config on the re-encoded weights (weights/mma_layout.py "
+                         "'mma64e', session 19, not yet run on the H200): must be bitwise the layer config")
     ap.add_argument("--layer-twins", action="store_true",
                     help="add 'layer again' (the layer config timed twice: the noise floor) and 'layer nf' "
                          "(the layer config with GemmConfig.n_fastest flipped, swap configs only)")
@@ -117,6 +120,11 @@ def main():
         layer = DeepseekV4MoE(cfg, random_layer_weights(cfg, layer_idx=min(5, cfg.num_hidden_layers - 1), seed=0, device=dev))
         r = layer.routed
         h, i = r.hidden, r.intermediate
+        enc_w = {}
+        if args.enc:
+            from dsv4_moe.weights.mma_layout import convert_layout
+            enc_w = {"gate_up": convert_layout(r.gate_up, r.layout, "mma64e"),
+                     "down": convert_layout(r.down, r.layout, "mma64e")}
         for t in [int(v) for v in args.ts.split(",")]:
             g = torch.Generator(device=dev).manual_seed(t)
             x = torch.randn(t, cfg.hidden_size, device=dev, generator=g).bfloat16()
@@ -144,14 +152,20 @@ def main():
                     if layer_cfg.kind == "swap" and layer_cfg.split_k == 1:
                         flipped = dataclasses.replace(layer_cfg, n_fastest=not layer_cfg.n_fastest)
                         variants["layer nf" if flipped.n_fastest else "layer mf"] = fold_config(flipped, k)
+                if args.enc:
+                    variants["layer mma64e"] = variants[next(iter(variants))]
                 calls, per_route = {}, {}
                 for v_name, c in variants.items():
                     align = moe_align(ids, r.num_local, r.first_expert, c.block_m, w)
                     rows = align.route_rows.long()
+                    enc = v_name == "layer mma64e"
+                    lay = "mma64e" if enc else r.layout
                     if gemm == "gate_up":
-                        def call(c=c, align=align):
-                            return mxfp4_grouped_gemm(q, sa, r.gate_up, r.gate_up_scale, align, gather_a=True,
-                                                      scatter_out=False, config=c, layout=r.layout,
+                        wt = enc_w["gate_up"] if enc else r.gate_up
+
+                        def call(c=c, align=align, wt=wt, lay=lay):
+                            return mxfp4_grouped_gemm(q, sa, wt, r.gate_up_scale, align, gather_a=True,
+                                                      scatter_out=False, config=c, layout=lay,
                                                       **({"a_pairs": qps, "a_pairs_scaled": True} if c.a_bf16 else {}))
                         calls[v_name] = call
                         per_route[v_name] = lambda call=call, rows=rows: call()[rows]
@@ -161,9 +175,11 @@ def main():
                         hq[rows], hs[rows] = hq_r, hs_r
                         hps = bf16_pairs(hq, hs)
 
-                        def call(c=c, align=align, hq=hq, hs=hs, hps=hps):
-                            return mxfp4_grouped_gemm(hq, hs, r.down, r.down_scale, align, gather_a=False,
-                                                      scatter_out=True, config=c, layout=r.layout,
+                        wt = enc_w["down"] if enc else r.down
+
+                        def call(c=c, align=align, hq=hq, hs=hs, hps=hps, wt=wt, lay=lay):
+                            return mxfp4_grouped_gemm(hq, hs, wt, r.down_scale, align, gather_a=False,
+                                                      scatter_out=True, config=c, layout=lay,
                                                       **({"a_pairs": hps, "a_pairs_scaled": True} if c.a_bf16 else {}))
                         calls[v_name] = call
                         per_route[v_name] = call

@@ -18,6 +18,9 @@ writes the HGMMA's A or accumulator registers is a hazard.
                                                       # swap fold on and off); exit 1 on any hazard
     python scripts/sass_wgmma_hazard.py --variants    # folded / per-block swap variants (sessions 16-17)
     python scripts/sass_wgmma_hazard.py --self-test   # the check still finds session 15's hazard
+    python scripts/sass_wgmma_hazard.py --layout mma64e --count
+                                                      # the same configs on "mma64e" weights (session 19,
+                                                      # experimental), with per-opcode SASS counts
 
 One row per compiled config: hazards found, registers, the ptxas that assembled it.
 """
@@ -198,10 +201,25 @@ def session16_variants():
     return out
 
 
+_COUNTED = ("LOP3", "SHF", "PRMT", "HMUL2", "HGMMA", "LDG", "LDGSTS", "IMAD", "IADD3", "LEA")
+
+
+def opcode_counts(ins: list[tuple[int, str]]) -> dict:
+    """Static instruction counts of the whole kernel per opcode stem (_COUNTED) and in total."""
+    out = dict.fromkeys(_COUNTED, 0)
+    for _, s in ins:
+        op = re.sub(r"^@!?U?P\w+\s+", "", s).split(None, 1)[0].split(".")[0]
+        if op in out:
+            out[op] += 1
+    out["total"] = len(ins)
+    return out
+
+
 def _row(label, cfg, k, gather, extra=None):
     consts = dict(config_constexprs(cfg, k, gather), **(extra or {}))
     sass, regs, stack = compile_swap(consts, cfg.num_warps, cfg.maxnreg, "swap" if cfg.kind == "swap" else "tile")
-    return hazards(parse_sass(sass)), regs, stack
+    ins = parse_sass(sass)
+    return hazards(ins), regs, stack, opcode_counts(ins)
 
 
 def main():
@@ -210,6 +228,9 @@ def main():
     ap.add_argument("--self-test", action="store_true",
                     help="exit 1 unless the unsplit folded body shows hazards and the split and wait ones none")
     ap.add_argument("--show", type=int, default=2, help="hazards printed per config")
+    ap.add_argument("--layout", default="mma64", choices=("mma64", "mma64e"),
+                    help="the weights' byte order the bodies are compiled for")
+    ap.add_argument("--count", action="store_true", help="print static SASS counts per opcode")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("sass_wgmma_hazard: unset TRITON_INTERPRET (the interpreter compiles nothing)")
@@ -224,15 +245,17 @@ def main():
             rx.FOLD_SWAP = fold_swap
             for label, cfg, k, gather in default_configs():
                 keyed.setdefault((cfg, k, gather), label + ("" if fold_swap else " (FOLD_SWAP=0)"))
-        rows = [(label, cfg, k, gather, {}) for (cfg, k, gather), label in keyed.items()]
+        rows = [(label, cfg, k, gather, {"W_ENC": args.layout == "mma64e"}) for (cfg, k, gather), label in keyed.items()]
     result = {}
     for label, cfg, k, gather, extra in rows:
-        found, regs, stack = _row(label, cfg, k, gather, extra)
+        found, regs, stack, counts = _row(label, cfg, k, gather, extra)
         result[label] = found
         print(f"{label:34s} {cfg.kind:4s} {cfg.block_m:3d}x{cfg.block_n} stages {cfg.num_stages} unroll {cfg.unroll} "
               f"cap {cfg.maxnreg} pairs {cfg.a_bf16!s:5s} fold {('-' if not cfg.fold_sa else cfg.fold_order if cfg.kind == 'swap' else 'on'):5s} "
               f"{'nf ' if cfg.n_fastest else ''}K={k:5d}: "
               f"{len(found):4d} hazards, {regs} registers, stack {stack}")
+        if args.count:
+            print("    " + " ".join(f"{op} {n}" for op, n in counts.items()))
         for h in found[:args.show]:
             print(f"    {h}")
     if args.self_test:

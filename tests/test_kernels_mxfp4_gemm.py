@@ -287,6 +287,11 @@ def _run_ptx(src: str, regs: dict) -> dict:
             r = (srcs[0] << srcs[1]) & m32
         elif op == "shr.b32":
             r = srcs[0] >> srcs[1]
+        elif op == "shf.r.wrap.b32":  # funnel shift right of (b:a), shift mod 32 (a == b: rotate)
+            a, b, sh = srcs
+            r = (((b << 32) | a) >> (sh & 31)) & m32
+        elif op == "xor.b32":
+            r = srcs[0] ^ srcs[1]
         elif op == "and.b32":
             r = srcs[0] & srcs[1]
         elif op == "or.b32":
@@ -326,6 +331,96 @@ def test_swz_dequant_ptx_emulated_bitwise(which):
                     word = out[f"${reg + i // 2}"]
                     got = (word >> (16 * (i % 2))) & 0xFFFF
                     assert got == want, (which, sc, hex(byte), nib, i, hex(got), hex(want))
+
+
+def test_enc_dequant_ptx_emulated_bitwise():
+    """The "mma64e" PTX (session 19, experimental): a stored word made by
+    weights.mma_layout.encode_words from four bytes' nibbles converts, in the interpreter
+    above, to exactly the bf16 values the "mma64" PTX gives for those bytes (every byte value,
+    several scales), and its two halves are the whole block's halves."""
+    from dsv4_moe.kernels import _mxfp4_dequant as body
+    from dsv4_moe.weights import mma_layout as ml
+
+    def pattern(c):
+        return ((c & 7) << 6) | ((c >> 3) << 15)
+    for sc in [(0, 1, 100, 127), (128, 127, 1, 0), (254, 126, 2, 128)]:
+        b16 = [((v + 126) << 7) & 0xFFFF for v in sc]
+        s5, s6 = b16[0] | b16[1] << 16, b16[2] | b16[3] << 16
+        for b0 in range(256):
+            pack = [b0, (b0 * 37 + 11) & 255, (b0 * 91 + 3) & 255, 255 - b0]
+            # outputs 0 / 1: low nibbles of bytes (0, 1) / (2, 3); 2 / 3: their high nibbles
+            nib = [[b & 15 for b in pack], [b >> 4 for b in pack]]
+            outs = tuple(torch.tensor([pattern(nib[r // 2][2 * (r % 2)]) | pattern(nib[r // 2][2 * (r % 2) + 1]) << 16])
+                         for r in range(4))
+            word = int(ml.encode_words(outs).item())
+            assert [int(o.item()) for o in ml.decode_words(torch.tensor([word]))] == [int(o.item()) for o in outs]
+            plain = sum(v << (8 * i) for i, v in enumerate(pack))
+            want = _run_ptx(body._E2M1X4_TO_BF16_SWZ_ASM.value, {"$4": plain, "$5": s5, "$6": s6})
+            got = _run_ptx(body._E2M1X4_TO_BF16_ENC_ASM.value, {"$4": word, "$5": s5, "$6": s6})
+            assert [got[f"${i}"] for i in range(4)] == [want[f"${i}"] for i in range(4)], (sc, pack)
+            lo = _run_ptx(body._E2M1X4_LO_ENC_ASM.value, {"$2": word, "$3": s5, "$4": s6})
+            hi = _run_ptx(body._E2M1X4_HI_ENC_ASM.value, {"$2": word, "$3": s5, "$4": s6})
+            assert (lo["$0"], lo["$1"], hi["$0"], hi["$1"]) == tuple(got[f"${i}"] for i in range(4))
+
+
+def test_mma64e_layout_roundtrip_and_guards():
+    """"mma64e": an invertible re-encoding of every stored "mma64" word (to/from and every
+    convert_layout pair round-trip; zero bytes stay zero, so masked tail loads read zeros);
+    the same shape checks as "mma64"."""
+    from dsv4_moe.weights import mma_layout as ml
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randint(0, 256, (2, 128, 384), dtype=torch.uint8, generator=g)
+    e = ml.to_mma64e(w)
+    assert e.shape == w.shape and e.dtype == torch.uint8 and not torch.equal(e, ml.to_mma64(w))
+    assert torch.equal(ml.from_mma64e(e), w)
+    for a in ml.LAYOUTS:
+        for b in ml.LAYOUTS:
+            assert torch.equal(ml.convert_layout(ml.convert_layout(w, "nk", a), a, b), ml.convert_layout(w, "nk", b))
+    assert torch.equal(ml.to_mma64e(torch.zeros(64, 64, dtype=torch.uint8)), torch.zeros(64, 64, dtype=torch.uint8))
+    # the GEMM configs are the "mma64" ones at every size
+    from dsv4_moe.kernels.routed_experts import routed_configs
+    from dsv4_moe.weights.tensors import RoutedExpertWeights
+    u8, e8 = torch.empty(1, dtype=torch.uint8), torch.empty(1, dtype=torch.float8_e8m0fnu)
+    shapes = (u8.expand(256, 4096, 2048), e8.expand(256, 4096, 128), u8.expand(256, 4096, 1024), e8.expand(256, 4096, 64))
+    r64, r64e = (RoutedExpertWeights(*shapes, 0, 256, lay) for lay in ("mma64", "mma64e"))
+    for t in (1, 4, 16, 256, 1024, 2048, 8192):
+        assert routed_configs(t * 6, r64e) == routed_configs(t * 6, r64), t
+    with pytest.raises(ValueError, match="cannot take the 'mma64' layout"):
+        ml.to_mma64e(torch.zeros(96, 64, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("kind,bm,bn,split,fold", [("swap", 16, 128, 1, False), ("swap", 16, 64, 2, False),
+                                                  ("swap", 32, 128, 1, True), ("tile", 16, 128, 1, False)],
+                         ids=["swap16x128", "swap16x64-splitk", "swap32x128-folded", "tile16x128"])
+def test_mma64e_bodies_bitwise_mma64(kind, bm, bn, split, fold):
+    """The bodies on "mma64e" weights (decoded in the kernel before the unswizzle on this
+    path; by the PTX on the GPU) give the "mma64" bodies' bits, gate_up (gathered) and the
+    short-K down (scattered, K = 384)."""
+    from dsv4_moe.kernels.act_quant import act_quant
+    from dsv4_moe.weights.mma_layout import to_mma64, to_mma64e
+
+    w, s, q, sa, ids = _mma64_case(5)
+    e, (t, k) = w.shape[0], ids.shape
+    a = moe_align(ids.int(), e, 0, bm)
+    cfg = GemmConfig(bm, bn, 4, 2, kind=kind, split_k=split, a_bf16=fold, fold_sa=fold)
+    extra = {}
+    if fold:
+        x = torch.randn(t, w.shape[2] * 2, generator=torch.Generator().manual_seed(2)).bfloat16()
+        q, sa, pairs = act_quant(x, pairs="scaled")
+        extra = {"a_pairs": pairs, "a_pairs_scaled": True}
+    outs = [mxfp4_grouped_gemm(q, sa, conv(w), s, a, gather_a=True, scatter_out=False, config=cfg, layout=lay,
+                               **extra) for conv, lay in ((to_mma64, "mma64"), (to_mma64e, "mma64e"))]
+    rows = a.route_rows.long()[ids.flatten() < e]
+    assert torch.equal(outs[1][rows].view(torch.int16), outs[0][rows].view(torch.int16))
+    if not fold:
+        g = torch.Generator().manual_seed(9)
+        wd, sd = _weights(e, 128, 384, g)
+        hq, hs = ref.act_quant(torch.randn(a.max_rows, 384, generator=g).bfloat16())
+        sentinel = torch.full((t * k, 128), 7.0, dtype=torch.bfloat16)   # non-local slots stay unwritten
+        ys = [mxfp4_grouped_gemm(hq, hs, conv(wd), sd, a, gather_a=False, scatter_out=True, config=cfg, layout=lay,
+                                 out=sentinel.clone()) for conv, lay in ((to_mma64, "mma64"), (to_mma64e, "mma64e"))]
+        assert torch.equal(ys[1].view(torch.int16), ys[0].view(torch.int16))
 
 
 def test_swz_dequant_ptx_halves_bitwise():
@@ -765,7 +860,7 @@ def test_folded_swap_refused_off_the_checked_body(monkeypatch):
     w, s = _weights(4, 128, 256, g)
     q, sa = ref.act_quant(torch.randn(2, 256, generator=g).bfloat16())
     a = moe_align(torch.tensor([[0, 1], [1, 3]], dtype=torch.int32), 4, 0, 16)
-    with pytest.raises(ValueError, match=r"fold_sa=True on the swap body needs layout='mma64' and asm=True on "
+    with pytest.raises(ValueError, match=r"fold_sa=True on the swap body needs layout 'mma64' or 'mma64e' and asm=True on "
                                          r"CUDA \(got layout='nk', asm=True\)"):
         mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False,
                            config=GemmConfig(16, 128, kind="swap", asm=True, fold_sa=True))

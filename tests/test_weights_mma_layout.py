@@ -132,3 +132,22 @@ def test_set_routed_layout_in_place():
     assert torch.equal(layer.routed.gate_up, w.routed.gate_up)
     with pytest.raises(ValueError, match="routed_layout='x'"):
         layer.set_routed_layout("x")
+
+
+def test_mma64e_needs_the_experimental_switch_on_cuda(monkeypatch):
+    """routed_layout="mma64e" (not yet run on the H200) is refused on CUDA unless
+    DSV4_MOE_EXPERIMENTAL_MMA64E=1, with a message naming the switch; the CPU takes it."""
+    import types
+
+    from dsv4_moe.layers import choose_routed_layout
+
+    on_cuda = types.SimpleNamespace(gate_up=types.SimpleNamespace(device=torch.device("cuda")))
+    monkeypatch.delenv("DSV4_MOE_EXPERIMENTAL_MMA64E", raising=False)
+    with pytest.raises(ValueError, match="DSV4_MOE_EXPERIMENTAL_MMA64E=1"):
+        choose_routed_layout(on_cuda, "mma64e")
+    monkeypatch.setenv("DSV4_MOE_EXPERIMENTAL_MMA64E", "1")
+    assert choose_routed_layout(on_cuda, "mma64e")[0] == "mma64e"
+    on_cpu = types.SimpleNamespace(gate_up=types.SimpleNamespace(device=torch.device("cpu")))
+    monkeypatch.delenv("DSV4_MOE_EXPERIMENTAL_MMA64E")
+    layout, why = choose_routed_layout(on_cpu, "mma64e")
+    assert layout == "mma64e" and "not yet run on the H200" in why

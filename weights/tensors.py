@@ -92,7 +92,7 @@ class RoutedExpertWeights:
     down_scale: torch.Tensor
     first_expert: int = 0
     num_experts: int = 0  # global expert count E (routes index 0..E-1)
-    layout: str = "nk"    # byte order of gate_up / down: "nk" or "mma64" (weights/mma_layout.py)
+    layout: str = "nk"    # byte order of gate_up / down: "nk", "mma64" or "mma64e" (weights/mma_layout.py)
 
     def __post_init__(self) -> None:
         from .mma_layout import LAYOUTS  # noqa: PLC0415
