@@ -111,6 +111,18 @@ def test_stages_run_through_dispatch_on_cpu(tmp_path, capsys):
         assert r["label"] == "reference"  # what dispatch picks on CPU
 
 
+def test_routed_layout_option_reaches_the_layer_and_the_notes(tmp_path):
+    """--routed-layout picks the byte order of this package's routed weights (the layer is
+    built with it, not converted back by "auto"); the JSON notes say which and why."""
+    path = tmp_path / "l.json"
+    assert main(FAST + ["--tokens", "2", "--parts", "layer,stages", "--stages", "routed", "--routed-layout", "mma64e",
+                        "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert any("layout 'mma64e'" in n and "not yet run on the H200" in n for n in data["notes"]), data["notes"]
+    assert all(r["status"] in ("ok", "skipped") for r in data["rows"])
+    assert any(r["case"] == "stage routed" and r["status"] == "ok" for r in data["rows"])
+
+
 def test_expert_parallel_rank_runs_stages_and_explains_the_layer_skip(tmp_path):
     path = tmp_path / "ep.json"
     assert main(FAST + ["--tokens", "4", "--ep-size", "2", "--ep-rank", "1", "--parts", "layer,stages",

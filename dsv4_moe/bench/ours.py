@@ -101,10 +101,11 @@ def single_rank_view(config, weights):
     return cfg, w
 
 
-def build_layer(config, weights):
-    """DeepseekV4MoE(config, weights); raises ImportError while dsv4_moe.layers is absent."""
+def build_layer(config, weights, routed_layout: str = "auto"):
+    """DeepseekV4MoE(config, weights, routed_layout=...); raises ImportError while
+    dsv4_moe.layers is absent."""
     layers = importlib.import_module("dsv4_moe.layers")
-    return layers.DeepseekV4MoE(config, weights)
+    return layers.DeepseekV4MoE(config, weights, routed_layout=routed_layout)
 
 
 def build_shared(config, weights):

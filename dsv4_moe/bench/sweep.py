@@ -119,7 +119,7 @@ def run(b, cfg, w, w_ep_size, tokens, parts, paths, stage_list, peer_names) -> N
     # device ("mma64" on CUDA, converted once here, not per layer); peers keep `w` ("nk")
     from dsv4_moe.layers import choose_routed_layout  # noqa: PLC0415
 
-    layout, why = choose_routed_layout(w.routed)
+    layout, why = choose_routed_layout(w.routed, getattr(args, "routed_layout", "auto"))
     w_ours = dataclasses.replace(w, routed=w.routed.with_layout(layout))
     b.notes.append(f"routed weights of this package in layout {layout!r} ({why}); peers read the checkpoint's")
     wcopies = weight_copies(w_ours, nw)
@@ -145,7 +145,7 @@ def run(b, cfg, w, w_ep_size, tokens, parts, paths, stage_list, peer_names) -> N
                          f"process group, which this single-GPU bench does not create; stages still run")
         else:
             try:
-                layers = [ours.build_layer(cfg, wc) for wc in wcopies]
+                layers = [ours.build_layer(cfg, wc, layout) for wc in wcopies]
             except Exception as e:  # noqa: BLE001 - reported on every row that needs the layer
                 layer_err = f"DeepseekV4MoE unavailable: {type(e).__name__}: {str(e)[:200]}"
 
