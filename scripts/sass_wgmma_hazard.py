@@ -20,7 +20,9 @@ writes the HGMMA's A or accumulator registers is a hazard.
     python scripts/sass_wgmma_hazard.py --self-test   # the check still finds session 15's hazard
     python scripts/sass_wgmma_hazard.py --layout mma64e --count
                                                       # the same configs on "mma64e" weights (session 19,
-                                                      # experimental), with per-opcode SASS counts
+                                                      # experimental), with per-opcode SASS counts; also
+                                                      # checks that every conversion input is a stored word
+                                                      # as loaded (exit 1 otherwise)
 
 One row per compiled config: hazards found, registers, the ptxas that assembled it.
 """
@@ -135,7 +137,21 @@ def compile_swap(consts: dict, num_warps: int = 4, maxnreg: int | None = None, k
         res = subprocess.run([_tool("cuobjdump"), "-res-usage", cub], capture_output=True, text=True).stdout
     regs = re.search(r"REG:(\d+)", res)
     stack = re.search(r"STACK:(\d+)", res)  # a stack frame in these bodies means spilled registers
+    compile_swap.last_ptx = c.asm["ptx"]
     return sass, (int(regs.group(1)) if regs else -1), (int(stack.group(1)) if stack else -1)
+
+
+def enc_word_sources(ptx: str) -> tuple[int, int]:
+    """("mma64e") (asm input words, of them registers straight from a 16-byte vector load).
+    The layout encodes aligned 4-byte words of the stored tensor; the conversion PTX is only
+    right when each of its input registers is such a word as loaded (no byte shuffle between
+    the load and the asm), which is what this counts."""
+    loaded = set()
+    for m in re.finditer(r"ld\.(?:shared|global)(?:\.\w+)*\.v4\.b32\s+\{([^}]*)\}", ptx):
+        loaded |= {r.strip() for r in m.group(1).split(",")}
+    inputs = (set(re.findall(r"and\.b32 t, (%r\d+), 0x81C081C0", ptx))
+              | set(re.findall(r"shf\.r\.wrap\.b32 a, (%r\d+),", ptx)))
+    return len(inputs), len(inputs & loaded)
 
 
 def config_constexprs(cfg, k: int, gather: bool) -> dict:
@@ -219,7 +235,8 @@ def _row(label, cfg, k, gather, extra=None):
     consts = dict(config_constexprs(cfg, k, gather), **(extra or {}))
     sass, regs, stack = compile_swap(consts, cfg.num_warps, cfg.maxnreg, "swap" if cfg.kind == "swap" else "tile")
     ins = parse_sass(sass)
-    return hazards(ins), regs, stack, opcode_counts(ins)
+    words = enc_word_sources(compile_swap.last_ptx) if consts.get("W_ENC") else None
+    return hazards(ins), regs, stack, opcode_counts(ins), words
 
 
 def main():
@@ -246,14 +263,17 @@ def main():
             for label, cfg, k, gather in default_configs():
                 keyed.setdefault((cfg, k, gather), label + ("" if fold_swap else " (FOLD_SWAP=0)"))
         rows = [(label, cfg, k, gather, {"W_ENC": args.layout == "mma64e"}) for (cfg, k, gather), label in keyed.items()]
-    result = {}
+    result, bad_words = {}, []
     for label, cfg, k, gather, extra in rows:
-        found, regs, stack, counts = _row(label, cfg, k, gather, extra)
+        found, regs, stack, counts, words = _row(label, cfg, k, gather, extra)
+        if words is not None and (words[0] == 0 or words[1] != words[0]):
+            bad_words.append(label)
         result[label] = found
         print(f"{label:34s} {cfg.kind:4s} {cfg.block_m:3d}x{cfg.block_n} stages {cfg.num_stages} unroll {cfg.unroll} "
               f"cap {cfg.maxnreg} pairs {cfg.a_bf16!s:5s} fold {('-' if not cfg.fold_sa else cfg.fold_order if cfg.kind == 'swap' else 'on'):5s} "
               f"{'nf ' if cfg.n_fastest else ''}K={k:5d}: "
-              f"{len(found):4d} hazards, {regs} registers, stack {stack}")
+              f"{len(found):4d} hazards, {regs} registers, stack {stack}"
+              + (f", {words[1]}/{words[0]} asm words as loaded" if words is not None else ""))
         if args.count:
             print("    " + " ".join(f"{op} {n}" for op, n in counts.items()))
         for h in found[:args.show]:
@@ -265,7 +285,9 @@ def main():
         return 0 if ok else 1
     if args.variants:
         return 0
-    return 1 if any(result.values()) else 0
+    if bad_words:
+        print("mma64e: conversion input words not straight from a 16-byte load in", ", ".join(bad_words))
+    return 1 if any(result.values()) or bad_words else 0
 
 
 if __name__ == "__main__":

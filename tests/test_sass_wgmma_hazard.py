@@ -75,3 +75,18 @@ def test_the_unsplit_folded_body_is_caught():
     refuses on CUDA), and none in the same config on "mma64" weights (split halves)."""
     r = _run("--self-test")
     assert r.returncode == 0 and "self-test ok" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_mma64e_bodies_hazard_free_and_read_stored_words():
+    """On "mma64e" weights (session 19, experimental) every default config compiles with no
+    wgmma register hazard, and every input of the conversion PTX is a register straight from a
+    16-byte vector load - the aligned stored word the layout encoded (a byte shuffle between
+    load and asm would break the encoding while the "mma64" PTX, byte-wise, would not notice)."""
+    r = _run("--layout", "mma64e")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [ln for ln in r.stdout.splitlines() if "hazards" in ln]
+    assert rows and all("0 hazards" in ln and "asm words as loaded" in ln for ln in rows), r.stdout
+    for ln in rows:
+        got, total = ln.rsplit(", ", 1)[1].split()[0].split("/")
+        assert got == total and int(total) > 0, ln
