@@ -151,3 +151,29 @@ def test_mma64e_needs_the_experimental_switch_on_cuda(monkeypatch):
     monkeypatch.delenv("DSV4_MOE_EXPERIMENTAL_MMA64E")
     layout, why = choose_routed_layout(on_cpu, "mma64e")
     assert layout == "mma64e" and "not yet run on the H200" in why
+
+
+def test_enc_search_agrees_with_the_mma64e_layout():
+    """scripts/enc_search.py: no re-encoding converts a word in 3 shifts + 4 LOP3, and the
+    rotation set the "mma64e" layout uses (outputs W, rotr 12, rotr 2 ^ rotr 6, rotr 2 ^ rotr 8)
+    is among the 4-shift solutions it finds."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    import enc_search
+
+    from dsv4_moe.weights import mma_layout as ml
+
+    assert enc_search.search(3, 1) == []
+    sols = enc_search.search(4, 5)
+    rots = (("rot", 2), ("rot", 6), ("rot", 8), ("rot", 12))
+    assert any(extra == rots for extra, _ in sols), sols
+    # the layout's outputs as (source shifts) sets; sources 0..4 = W, rotr 2, 6, 8, 12
+    shift_of = {0: 0, 1: 2, 2: 6, 3: 8, 4: 12}
+    found = []
+    for extra, outs in sols:
+        if extra == rots:
+            found.append(sorted(tuple(sorted({shift_of[i]} if f == "x" else {shift_of[j]} if f == "y"
+                                             else {shift_of[i], shift_of[j]})) for f, i, j in outs))
+    assert sorted(tuple(sorted(s)) for s in ml._ENC_OUTPUTS) in found, (ml._ENC_OUTPUTS, found)
