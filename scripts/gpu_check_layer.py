@@ -222,6 +222,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-checkpoint", action="store_true")
     p.add_argument("--front-only", action="store_true", help="only the one-launch decode front's checks")
     p.add_argument("--cases", default="flash,pro-tp8,flash-nk", help="which layer cases to run")
+    p.add_argument("--routed-layout", default="auto", choices=("auto", "mma64", "mma64e"),
+                   help="routed byte order of the flash / pro-tp8 cases ('mma64e', experimental, needs "
+                        "DSV4_MOE_EXPERIMENTAL_MMA64E=1)")
     p.add_argument("--tokens", default="", help="comma-separated T list for the flash / pro-tp8 cases "
                                                   "(default: the full or --quick list)")
     args = p.parse_args(argv)
@@ -243,12 +246,14 @@ def main(argv=None) -> int:
     pro_rank = MoEConfig.pro().replace(moe_intermediate_size=384, name="pro-tp8-rank")
     # "auto" takes the "mma64" routed layout on CUDA; "flash-nk" keeps the checkpoint's
     # byte order (the GEMV / tile bodies of the fallback) at a few sizes.
-    cases = [("flash", MoEConfig.flash(), "auto", tokens, [1, 4, 16, 256]),
-             ("pro-tp8", pro_rank, "auto", tokens, [1, 4, 16, 256]),
+    cases = [("flash", MoEConfig.flash(), args.routed_layout, tokens, [1, 4, 16, 256]),
+             ("pro-tp8", pro_rank, args.routed_layout, tokens, [1, 4, 16, 256]),
              ("flash-nk", MoEConfig.flash(), "nk", [1, 16, 256], [1, 16])]
     for name, cfg, layout, toks, graph_toks in cases:
         if name not in args.cases.split(","):
             continue
+        if layout not in ("auto", "nk"):
+            name = f"{name} {layout}"
         t0 = time.time()
         w = random_layer_weights(cfg, layer_idx=5, seed=0, device=dev)
         print(f"{name}: synthetic weights in {time.time() - t0:.1f}s", flush=True)
