@@ -17,7 +17,6 @@ Data flow of DeepseekV4MoE.forward (x [T, H] bf16):
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -131,10 +130,11 @@ class DeepseekV4MoE(_NativeBuffers):
     sums are all-reduced in fp32 over `group` (torch.distributed must be initialised).
 
     `routed_layout` is the byte order the layer keeps the routed experts' packed codes
-    in (weights/mma_layout.py): "auto" (default) takes "mma64" on CUDA when both expert
-    GEMMs have whole 64 x 128 tiles (the Hopper kernels' fast layout) and keeps the
-    given layout otherwise; "nk" / "mma64" force one ("mma64e", experimental: the same tiles
-    with every word re-encoded for a cheaper conversion, not yet run on the H200). A conversion makes new tensors
+    in (weights/mma_layout.py): "auto" (default) takes "mma64e" on CUDA when both expert
+    GEMMs have whole 64 x 128 tiles (the Hopper kernels' fast layout: "mma64" tiles with
+    every 32-bit word re-encoded for a cheaper e2m1 conversion) and keeps the given layout
+    otherwise; "nk" / "mma64" / "mma64e" force one ("mma64" gives the same bits as
+    "mma64e", a few per cent slower: the A/B twin). A conversion makes new tensors
     (the caller's are never modified); `explain()` states the layout and why.
 
     `overlap_shared` ("auto" default, True, False): on CUDA the shared expert can run on a
@@ -302,8 +302,8 @@ class DeepseekV4MoE(_NativeBuffers):
     def _layout_hint(self) -> str:
         """A pointer at set_routed_layout when the layer moved to CUDA after construction."""
         r = self.routed
-        if r.layout == "nk" and r.gate_up.device.type == "cuda" and choose_routed_layout(r)[0] == "mma64":
-            return " (now on CUDA: layer.set_routed_layout('mma64') takes the faster layout)"
+        if r.layout == "nk" and r.gate_up.device.type == "cuda" and choose_routed_layout(r)[0] != "nk":
+            return " (now on CUDA: layer.set_routed_layout() takes the faster layout)"
         return ""
 
     def shared_overlap(self, num_tokens: int) -> tuple[bool, str]:
@@ -393,14 +393,6 @@ def choose_routed_layout(r: RoutedExpertWeights, requested: str = "auto") -> tup
 
     if requested != "auto" and requested not in LAYOUTS:
         raise ValueError(f"routed_layout={requested!r}: expected 'auto' or one of {LAYOUTS}")
-    if requested == "mma64e":
-        if r.gate_up.device.type == "cuda" and os.environ.get("DSV4_MOE_EXPERIMENTAL_MMA64E", "0") != "1":
-            raise ValueError("routed_layout='mma64e' is experimental (session 19: bitwise 'mma64' under the CPU "
-                             "interpreter, not yet run on the H200); set DSV4_MOE_EXPERIMENTAL_MMA64E=1 to use it "
-                             "on CUDA, or take 'auto' / 'mma64'")
-        return requested, ("requested (experimental, session 19: the re-encoded 'mma64' bytes, 8 instead of 14 "
-                           "conversion instructions per 8 weights in the SASS; bitwise 'mma64' under the CPU "
-                           "interpreter, not yet run on the H200)")
     if requested != "auto":
         return requested, "requested"
     if r.gate_up.device.type != "cuda":
@@ -410,7 +402,9 @@ def choose_routed_layout(r: RoutedExpertWeights, requested: str = "auto") -> tup
         ok, why = mma64_supported(n, k)
         if not ok:
             return r.layout, f"kept: {what} {why}"
-    return "mma64", "auto on CUDA: whole 64 x 128 tiles, 16-byte operand loads in the MXFP4 kernels"
+    return "mma64e", ("auto on CUDA: whole 64 x 128 tiles, 16-byte operand loads in the MXFP4 kernels, each "
+                      "word re-encoded for a 4-shift + 4-LOP3 conversion per 8 weights ('mma64': same bits, "
+                      "H200 layer 1.01-1.10x slower)")
 
 
 def load_moe_layer(checkpoint_dir, layer_idx: int, *, device="cpu", tp_rank: int = 0, tp_size: int = 1,

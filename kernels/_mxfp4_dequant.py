@@ -141,7 +141,7 @@ _E2M1X4_LO_SWZ_ASM = tl.constexpr(_swz_ptx("$2", ("$0", "$1", "$3", "$4"), None)
 _E2M1X4_HI_SWZ_ASM = tl.constexpr(_swz_ptx("$2", None, ("$0", "$1", "$3", "$4")))
 
 
-# The "mma64e" layout (weights/mma_layout.py, experimental): each stored word re-encoded so
+# The "mma64e" layout (weights/mma_layout.py; the CUDA default): each stored word re-encoded so
 # that output r is (XOR of the word rotated right by s, s in _ENC_OUTPUTS[r]) & 0x81C081C0,
 # the signed bf16 pattern before the scale, as above: 4 funnel shifts + 4 LOP3 (ptxas folds
 # xor + and) + 4 HMUL2 per 8 weights, against 2 PRMT + 10 shift / LOP3 + 4 HMUL2 for "mma64".

@@ -7,9 +7,8 @@
     w4      [E_local, N, K/2]     uint8          packed e2m1, low nibble = even k; byte order
                                                  `layout`: "nk" (row-major, the checkpoint's)
                                                  or "mma64" (weights/mma_layout.py), or
-                                                 "mma64e" (its words re-encoded: experimental,
-                                                 bitwise "mma64" under the interpreter, not
-                                                 yet run on the H200)
+                                                 "mma64e" (its words re-encoded; the same
+                                                 bits as "mma64", bitwise on the H200)
     sw      [E_local, N, K/32]    e8m0 / uint8   weight scale per 32 along K
     align   MoeAlignment                          from `moe_align` (same block_m as config)
     out     [R, N] bf16 (scatter_out: row = route id t*k + slot; rows of non-local routes are

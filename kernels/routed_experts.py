@@ -164,8 +164,30 @@ def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str
         # 505.0; per-block unroll 2 606.8); the short-K Pro-TP8 one keeps it (814.8 vs 859.1).
         if down.fold_sa and down.kind == "swap" and down.block_m == 32 and i >= 2048:
             down = dataclasses.replace(down, unroll=1)
+    if layout == "mma64e":
+        up, down = _mma64e_configs(up, down, i)
     if n_fastest:
         up, down = _n_fastest(up, num_routes, num_local), _n_fastest(down, num_routes, num_local)
+    return up, down
+
+
+def _mma64e_configs(up: GemmConfig, down: GemmConfig, i: int) -> tuple[GemmConfig, GemmConfig]:
+    """The configs on the re-encoded weights ("mma64e": fewer conversion instructions, so
+    other register counts and a different balance between the loads and the math)."""
+    # NOTE (session 20, docs/bench/2026-11-30/session20/probe_enc_variants_f2c7f46.txt, H200,
+    # graphs, 3 interleaved rounds, us, min, each variant bitwise the "mma64" layer config):
+    # - the Pro-shaped 16-row gate_up compiles to 129 registers on mma64e (128 on mma64), so
+    #   3 programs per SM instead of 4; a 128-register cap restores 4: Pro-TP8 T=16 109.4 ->
+    #   99.6 (mma64: 104.7), T=64 225.4 -> 225.7, T=1024 499.3 -> 491.5.
+    # - the short-K (3 blocks) Pro-TP8 down: the "split" ordering that mma64 measured faster
+    #   (session 17) loses on mma64e at T = 1024, 414.5 -> 330.2 with "wait" (mma64 "split":
+    #   360.0); level at T = 1 / 4 / 16 / 64 (7.0 / 17.2 / 56.2 / 154.7 -> 7.0 / 17.2 / 55.9
+    #   / 154.0).
+    if (up.kind == "swap" and up.block_m == 16 and up.split_k == 1 and i <= 1024 and up.a_bf16
+            and up.maxnreg is None):
+        up = dataclasses.replace(up, maxnreg=128)
+    up, down = [dataclasses.replace(c, fold_order="wait") if c.fold_sa and c.fold_order == "split" else c
+                for c in (up, down)]
     return up, down
 
 

@@ -45,6 +45,8 @@ def check_layer(name, cfg, weights, rows, tokens, ref_tokens, graph_tokens, rout
     layer = DeepseekV4MoE(cfg, weights, routed_layout=routed_layout)
     dev = layer.device
     weights_cpu = None
+    # the re-encoded layout against its plain twin (other bytes, bit-neutral config changes)
+    twin = DeepseekV4MoE(cfg, weights, routed_layout="mma64") if layer.routed_layout == "mma64e" else None
     rows.append({"case": name, "check": "plan", "T": 16, "ok": True, "detail": layer.explain(16)})
     print(layer.explain(16), flush=True)
     for t in tokens:
@@ -56,6 +58,12 @@ def check_layer(name, cfg, weights, rows, tokens, ref_tokens, graph_tokens, rout
         ok = _bytes_equal(fused, unfused)
         n = int((fused.view(torch.int16) != unfused.view(torch.int16)).sum())
         rows.append({"case": name, "check": "fused==unfused", "T": t, "ok": ok, "detail": f"{n} differ"})
+        if twin is not None:
+            with torch.no_grad():
+                plain = twin(x, ids)
+            n = int((fused.view(torch.int16) != plain.view(torch.int16)).sum())
+            rows.append({"case": name, "check": "mma64e==mma64 layer", "T": t, "ok": _bytes_equal(fused, plain),
+                         "detail": f"{n} differ"})
         # programmatic dependent launch in both modes against plain launches: same bits
         saved = dispatch.PDL_MODE
         outs = {}
@@ -223,8 +231,8 @@ def main(argv=None) -> int:
     p.add_argument("--front-only", action="store_true", help="only the one-launch decode front's checks")
     p.add_argument("--cases", default="flash,pro-tp8,flash-nk", help="which layer cases to run")
     p.add_argument("--routed-layout", default="auto", choices=("auto", "mma64", "mma64e"),
-                   help="routed byte order of the flash / pro-tp8 cases ('mma64e', experimental, needs "
-                        "DSV4_MOE_EXPERIMENTAL_MMA64E=1)")
+                   help="routed byte order of the flash / pro-tp8 cases ('auto': 'mma64e' on CUDA; with "
+                        "'mma64e' each T is also checked bitwise against the 'mma64' twin layer)")
     p.add_argument("--tokens", default="", help="comma-separated T list for the flash / pro-tp8 cases "
                                                   "(default: the full or --quick list)")
     args = p.parse_args(argv)
@@ -244,7 +252,7 @@ def main(argv=None) -> int:
     # Pro at TP8 is run as the per-rank layer (I = 384) on its own: one GPU holds one rank,
     # and the cross-rank reduce is torch.distributed's (tested on CPU with gloo).
     pro_rank = MoEConfig.pro().replace(moe_intermediate_size=384, name="pro-tp8-rank")
-    # "auto" takes the "mma64" routed layout on CUDA; "flash-nk" keeps the checkpoint's
+    # "auto" takes the "mma64e" routed layout on CUDA; "flash-nk" keeps the checkpoint's
     # byte order (the GEMV / tile bodies of the fallback) at a few sizes.
     cases = [("flash", MoEConfig.flash(), args.routed_layout, tokens, [1, 4, 16, 256]),
              ("pro-tp8", pro_rank, args.routed_layout, tokens, [1, 4, 16, 256]),

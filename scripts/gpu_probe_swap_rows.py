@@ -90,6 +90,22 @@ def graph_us(fn, device, reps):
     return time_sets([fn], device=device, reps=reps).median_us
 
 
+def _parse_variant(spec: str) -> tuple[str, dict]:
+    """'TAG:field=value,field=value' -> (TAG, {field: value}) for dataclasses.replace(GemmConfig)."""
+    tag, _, body = spec.strip().partition(":")
+    known = {f.name for f in dataclasses.fields(GemmConfig)}
+    fields = {}
+    for item in body.split(","):
+        key, eq, val = item.strip().partition("=")
+        if not eq or key not in known:
+            raise SystemExit(f"--enc-variants: bad item {item!r} in {spec!r}; expected field=value with a "
+                             f"GemmConfig field ({sorted(known)})")
+        fields[key] = None if val == "None" else int(val) if val.lstrip("-").isdigit() else val
+    if not tag or not fields:
+        raise SystemExit(f"--enc-variants: bad variant {spec!r}; expected TAG:field=value[,field=value]")
+    return tag, fields
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ts", default="1024,2048,4096,8192")
@@ -100,7 +116,12 @@ def main():
     ap.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds (min and median reported)")
     ap.add_argument("--enc", action="store_true",
                     help="add 'layer mma64e': the layer config on the re-encoded weights (weights/mma_layout.py "
-                         "'mma64e', session 19, not yet run on the H200): must be bitwise the layer config")
+                         "'mma64e'; the layer config is routed_configs' for the plain 'mma64' weights): must be bitwise the "
+                         "layer config")
+    ap.add_argument("--enc-variants", default="",
+                    help="';'-separated TAG:field=value[,field=value] - the layer config with these GemmConfig "
+                         "fields replaced, run on the 'mma64e' weights as 'e TAG' (e.g. 'r128:maxnreg=128;"
+                         "u1:unroll=1'); values: int, None, or a string")
     ap.add_argument("--layer-twins", action="store_true",
                     help="add 'layer again' (the layer config timed twice: the noise floor) and 'layer nf' "
                          "(the layer config with GemmConfig.n_fastest flipped, swap configs only)")
@@ -113,15 +134,18 @@ def main():
         lines.append(text)
         print(text, flush=True)
 
+    enc_variants = [_parse_variant(v) for v in args.enc_variants.split(";") if v.strip()]
     cfgs = {"flash": MoEConfig.flash(), "pro-tp8": MoEConfig.pro().replace(moe_intermediate_size=384, name="pro-tp8-rank"),
             "tiny": MoEConfig.tiny()}
     for name in args.presets.split(","):
         cfg = cfgs[name]
-        layer = DeepseekV4MoE(cfg, random_layer_weights(cfg, layer_idx=min(5, cfg.num_hidden_layers - 1), seed=0, device=dev))
+        # with --enc / --enc-variants the layer (its configs, its weights) is the plain "mma64" twin
+        layer = DeepseekV4MoE(cfg, random_layer_weights(cfg, layer_idx=min(5, cfg.num_hidden_layers - 1), seed=0, device=dev),
+                              routed_layout="mma64" if args.enc or enc_variants else "auto")
         r = layer.routed
         h, i = r.hidden, r.intermediate
         enc_w = {}
-        if args.enc:
+        if args.enc or enc_variants:
             from dsv4_moe.weights.mma_layout import convert_layout
             enc_w = {"gate_up": convert_layout(r.gate_up, r.layout, "mma64e"),
                      "down": convert_layout(r.down, r.layout, "mma64e")}
@@ -152,13 +176,15 @@ def main():
                     if layer_cfg.kind == "swap" and layer_cfg.split_k == 1:
                         flipped = dataclasses.replace(layer_cfg, n_fastest=not layer_cfg.n_fastest)
                         variants["layer nf" if flipped.n_fastest else "layer mf"] = fold_config(flipped, k)
-                if args.enc:
+                if args.enc or args.enc_variants:
                     variants["layer mma64e"] = variants[next(iter(variants))]
+                for tag, fields in enc_variants:
+                    variants[f"e {tag}"] = dataclasses.replace(variants[next(iter(variants))], **fields)
                 calls, per_route = {}, {}
                 for v_name, c in variants.items():
                     align = moe_align(ids, r.num_local, r.first_expert, c.block_m, w)
                     rows = align.route_rows.long()
-                    enc = v_name == "layer mma64e"
+                    enc = v_name == "layer mma64e" or v_name.startswith("e ")
                     lay = "mma64e" if enc else r.layout
                     if gemm == "gate_up":
                         wt = enc_w["gate_up"] if enc else r.gate_up

@@ -15,14 +15,15 @@ first full wait (`WARPGROUP.DEPBAR.LE gsb0, 0x0`). Any other instruction on such
 writes the HGMMA's A or accumulator registers is a hazard.
 
     python scripts/sass_wgmma_hazard.py               # every config routed_configs returns (Flash, Pro-TP8,
-                                                      # swap fold on and off); exit 1 on any hazard
+                                                      # swap fold on and off) on "mma64e" weights (the
+                                                      # layer's layout on CUDA); exit 1 on any hazard, or
+                                                      # when a conversion input is not a stored word as
+                                                      # loaded (the encoding is per aligned word)
     python scripts/sass_wgmma_hazard.py --variants    # folded / per-block swap variants (sessions 16-17)
     python scripts/sass_wgmma_hazard.py --self-test   # the check still finds session 15's hazard
-    python scripts/sass_wgmma_hazard.py --layout mma64e --count
-                                                      # the same configs on "mma64e" weights (session 19,
-                                                      # experimental), with per-opcode SASS counts; also
-                                                      # checks that every conversion input is a stored word
-                                                      # as loaded (exit 1 otherwise)
+    python scripts/sass_wgmma_hazard.py --layout mma64 --count
+                                                      # the configs on "mma64" weights (the same-bits A/B
+                                                      # twin), with per-opcode SASS counts
 
 One row per compiled config: hazards found, registers, the ptxas that assembled it.
 """
@@ -169,9 +170,9 @@ def config_constexprs(cfg, k: int, gather: bool) -> dict:
                 FOLD_WAIT=cfg.fold_order == "wait", N_FASTEST=cfg.n_fastest, W_ENC=False)
 
 
-def default_configs():
+def default_configs(layout: str = "mma64e"):
     """(label, config, K, gather) for every distinct GEMM config routed_configs returns for the
-    Flash and Pro-TP8 layers over T = 1..8192 (mma64 layout; swap and tile bodies only)."""
+    Flash and Pro-TP8 layers over T = 1..8192 on `layout` weights (swap and tile bodies only)."""
     import torch
     from dsv4_moe.kernels import routed_experts as rx
     from dsv4_moe.weights.tensors import RoutedExpertWeights
@@ -179,7 +180,7 @@ def default_configs():
     seen = {}
     for name, e, h, i in (("flash", 256, 4096, 2048), ("pro-tp8", 384, 7168, 384)):
         r = RoutedExpertWeights(u8.expand(e, 2 * i, h // 2), e8.expand(e, 2 * i, h // 32), u8.expand(e, h, i // 2),
-                                e8.expand(e, h, i // 32), 0, e, "mma64")
+                                e8.expand(e, h, i // 32), 0, e, layout)
         for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192):
             up, down = rx.routed_configs(t * 6, r)
             for gemm, cfg, k, gather in (("gate_up", up, h, True), ("down", down, i, False)):
@@ -245,8 +246,9 @@ def main():
     ap.add_argument("--self-test", action="store_true",
                     help="exit 1 unless the unsplit folded body shows hazards and the split and wait ones none")
     ap.add_argument("--show", type=int, default=2, help="hazards printed per config")
-    ap.add_argument("--layout", default="mma64", choices=("mma64", "mma64e"),
-                    help="the weights' byte order the bodies are compiled for")
+    ap.add_argument("--layout", default="mma64e", choices=("mma64", "mma64e"),
+                    help="the weights' byte order the bodies are compiled for (and routed_configs picks "
+                         "for; default: 'mma64e', what the layer takes on CUDA)")
     ap.add_argument("--count", action="store_true", help="print static SASS counts per opcode")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -260,7 +262,7 @@ def main():
         keyed = {}
         for fold_swap in (True, False):  # the default and DSV4_MOE_FOLD_SWAP=0
             rx.FOLD_SWAP = fold_swap
-            for label, cfg, k, gather in default_configs():
+            for label, cfg, k, gather in default_configs(args.layout):
                 keyed.setdefault((cfg, k, gather), label + ("" if fold_swap else " (FOLD_SWAP=0)"))
         rows = [(label, cfg, k, gather, {"W_ENC": args.layout == "mma64e"}) for (cfg, k, gather), label in keyed.items()]
     result, bad_words = {}, []

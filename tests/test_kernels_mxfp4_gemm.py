@@ -378,14 +378,26 @@ def test_mma64e_layout_roundtrip_and_guards():
         for b in ml.LAYOUTS:
             assert torch.equal(ml.convert_layout(ml.convert_layout(w, "nk", a), a, b), ml.convert_layout(w, "nk", b))
     assert torch.equal(ml.to_mma64e(torch.zeros(64, 64, dtype=torch.uint8)), torch.zeros(64, 64, dtype=torch.uint8))
-    # the GEMM configs are the "mma64" ones at every size
+    # the GEMM configs are the "mma64" ones at every size (Flash), or differ only in what
+    # leaves the bits alone (Pro-TP8: a register cap, the folded swap body's ordering)
     from dsv4_moe.kernels.routed_experts import routed_configs
     from dsv4_moe.weights.tensors import RoutedExpertWeights
     u8, e8 = torch.empty(1, dtype=torch.uint8), torch.empty(1, dtype=torch.float8_e8m0fnu)
-    shapes = (u8.expand(256, 4096, 2048), e8.expand(256, 4096, 128), u8.expand(256, 4096, 1024), e8.expand(256, 4096, 64))
-    r64, r64e = (RoutedExpertWeights(*shapes, 0, 256, lay) for lay in ("mma64", "mma64e"))
-    for t in (1, 4, 16, 256, 1024, 2048, 8192):
-        assert routed_configs(t * 6, r64e) == routed_configs(t * 6, r64), t
+    for e, h, i in ((256, 4096, 2048), (384, 7168, 384)):
+        shapes = (u8.expand(e, 2 * i, h // 2), e8.expand(e, 2 * i, h // 32), u8.expand(e, h, i // 2),
+                  e8.expand(e, h, i // 32))
+        r64, r64e = (RoutedExpertWeights(*shapes, 0, e, lay) for lay in ("mma64", "mma64e"))
+        changed = 0
+        for t in (1, 4, 16, 64, 256, 1024, 2048, 8192):
+            c64, c64e = routed_configs(t * 6, r64), routed_configs(t * 6, r64e)
+            if i >= 2048:
+                assert c64e == c64, t
+            else:
+                def bits(c):
+                    return dataclasses.replace(c, maxnreg=None, fold_order="wait")
+                assert [bits(c) for c in c64e] == [bits(c) for c in c64], t
+                changed += c64e != c64
+        assert i >= 2048 or changed >= 4   # Pro-TP8 T = 1..1024: the down "split" -> "wait", gate_up capped
     with pytest.raises(ValueError, match="cannot take the 'mma64' layout"):
         ml.to_mma64e(torch.zeros(96, 64, dtype=torch.uint8))
 

@@ -44,9 +44,9 @@ def test_layer_kernel_paths(kernels_on_cpu, li, layout):
 
 @pytest.mark.slow
 def test_layer_mma64e_bitwise_mma64(kernels_on_cpu):
-    """routed_layout="mma64e" (session 19, experimental): the layer through the kernel paths
-    gives the "mma64" layer's bits (the same configs; the bodies decode the re-encoded words),
-    and explain() marks the layout as not yet run on the H200."""
+    """routed_layout="mma64e" (the CUDA default since session 20): the layer through the
+    kernel paths gives the "mma64" layer's bits (the same configs up to bit-neutral fields;
+    the bodies decode the re-encoded words), and explain() names the layout."""
     w = random_layer_weights(CFG, layer_idx=1, seed=7, device=kernels_on_cpu)
     g = torch.Generator().manual_seed(7)
     x = (torch.randn(40, CFG.hidden_size, generator=g) * 4).to(torch.bfloat16).to(kernels_on_cpu)
@@ -56,7 +56,7 @@ def test_layer_mma64e_bitwise_mma64(kernels_on_cpu):
         assert layer.routed.layout == layout
         outs[layout] = layer(x)
     assert_bitwise_equal(outs["mma64e"], outs["mma64"], "mma64e vs mma64 layer")
-    assert "not yet run on the H200" in layer.explain(40)
+    assert "routed weights in layout 'mma64e'" in layer.explain(40)
 
 
 def test_routed_kernel_rejects_scales_outside_exact_folding(kernels_on_cpu):

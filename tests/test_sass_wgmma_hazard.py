@@ -62,9 +62,10 @@ def test_hazard_analysis_sees_through_the_wait_only_when_full():
 
 def test_default_routed_configs_have_no_wgmma_register_hazard():
     """Every distinct GEMM config routed_configs returns for the Flash and Pro-TP8 layers
-    (T = 1..8192), with the swap fold on (default) and off (DSV4_MOE_FOLD_SWAP=0), compiles
+    (T = 1..8192) on "mma64" weights (the A/B twin layout, whose short-K decode down keeps the
+    "split" ordering), with the swap fold on (default) and off (DSV4_MOE_FOLD_SWAP=0), compiles
     to SASS with no write to an in-flight wgmma's registers."""
-    r = _run()
+    r = _run("--layout", "mma64")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "fold wait " in r.stdout and "fold split" in r.stdout and " swap " in r.stdout, r.stdout  # both orders checked
 
@@ -79,11 +80,12 @@ def test_the_unsplit_folded_body_is_caught():
 
 @pytest.mark.slow
 def test_mma64e_bodies_hazard_free_and_read_stored_words():
-    """On "mma64e" weights (session 19, experimental) every default config compiles with no
-    wgmma register hazard, and every input of the conversion PTX is a register straight from a
-    16-byte vector load - the aligned stored word the layout encoded (a byte shuffle between
-    load and asm would break the encoding while the "mma64" PTX, byte-wise, would not notice)."""
-    r = _run("--layout", "mma64e")
+    """On "mma64e" weights (the layer's layout on CUDA; the script's default) every config
+    routed_configs picks for them compiles with no wgmma register hazard, and every input of
+    the conversion PTX is a register straight from a 16-byte vector load - the aligned stored
+    word the layout encoded (a byte shuffle between load and asm would break the encoding while
+    the "mma64" PTX, byte-wise, would not notice)."""
+    r = _run()
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [ln for ln in r.stdout.splitlines() if "hazards" in ln]
     assert rows and all("0 hazards" in ln and "asm words as loaded" in ln for ln in rows), r.stdout

@@ -134,23 +134,25 @@ def test_set_routed_layout_in_place():
         layer.set_routed_layout("x")
 
 
-def test_mma64e_needs_the_experimental_switch_on_cuda(monkeypatch):
-    """routed_layout="mma64e" (not yet run on the H200) is refused on CUDA unless
-    DSV4_MOE_EXPERIMENTAL_MMA64E=1, with a message naming the switch; the CPU takes it."""
+def test_auto_takes_mma64e_on_cuda():
+    """On CUDA "auto" takes "mma64e" (session 20: bitwise "mma64" on the H200 and faster) and
+    says why; a width without whole tiles keeps "nk" naming the GEMM; "mma64" (the A/B twin)
+    and "mma64e" can be forced anywhere; the CPU keeps what it has."""
     import types
 
     from dsv4_moe.layers import choose_routed_layout
 
-    on_cuda = types.SimpleNamespace(gate_up=types.SimpleNamespace(device=torch.device("cuda")))
-    monkeypatch.delenv("DSV4_MOE_EXPERIMENTAL_MMA64E", raising=False)
-    with pytest.raises(ValueError, match="DSV4_MOE_EXPERIMENTAL_MMA64E=1"):
-        choose_routed_layout(on_cuda, "mma64e")
-    monkeypatch.setenv("DSV4_MOE_EXPERIMENTAL_MMA64E", "1")
-    assert choose_routed_layout(on_cuda, "mma64e")[0] == "mma64e"
-    on_cpu = types.SimpleNamespace(gate_up=types.SimpleNamespace(device=torch.device("cpu")))
-    monkeypatch.delenv("DSV4_MOE_EXPERIMENTAL_MMA64E")
-    layout, why = choose_routed_layout(on_cpu, "mma64e")
-    assert layout == "mma64e" and "not yet run on the H200" in why
+    def fake(device, i):
+        return types.SimpleNamespace(gate_up=types.SimpleNamespace(device=torch.device(device)), hidden=4096,
+                                     intermediate=i, layout="nk")
+
+    layout, why = choose_routed_layout(fake("cuda", 2048))
+    assert layout == "mma64e" and "auto on CUDA" in why and "'mma64': same bits" in why, why
+    layout, why = choose_routed_layout(fake("cuda", 96))
+    assert layout == "nk" and why.startswith("kept: down"), why
+    assert choose_routed_layout(fake("cuda", 2048), "mma64") == ("mma64", "requested")
+    assert choose_routed_layout(fake("cpu", 2048), "mma64e") == ("mma64e", "requested")
+    assert choose_routed_layout(fake("cpu", 2048))[0] == "nk"
 
 
 def test_enc_search_agrees_with_the_mma64e_layout():
