@@ -378,6 +378,19 @@ def test_mma64e_layout_roundtrip_and_guards():
         for b in ml.LAYOUTS:
             assert torch.equal(ml.convert_layout(ml.convert_layout(w, "nk", a), a, b), ml.convert_layout(w, "nk", b))
     assert torch.equal(ml.to_mma64e(torch.zeros(64, 64, dtype=torch.uint8)), torch.zeros(64, 64, dtype=torch.uint8))
+    # converted in chunks of whole 64-row tile rows (bounded transient memory): any chunk size
+    # gives the one-piece bytes, both ways
+    w3 = torch.randint(0, 256, (3, 320, 192), dtype=torch.uint8, generator=g)
+    saved = ml._ENC_CHUNK_BYTES
+    try:
+        ml._ENC_CHUNK_BYTES = 1 << 30
+        whole = ml.to_mma64e(w3)
+        for chunk in (1, 64 * 192, 3 * 64 * 192):
+            ml._ENC_CHUNK_BYTES = chunk
+            assert torch.equal(ml.to_mma64e(w3), whole), chunk
+            assert torch.equal(ml.from_mma64e(whole), w3), chunk
+    finally:
+        ml._ENC_CHUNK_BYTES = saved
     # the GEMM configs are the "mma64" ones at every size (Flash), or differ only in what
     # leaves the bits alone (Pro-TP8: a register cap, the folded swap body's ordering)
     from dsv4_moe.kernels.routed_experts import routed_configs

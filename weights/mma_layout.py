@@ -191,8 +191,40 @@ def _code(pattern: torch.Tensor) -> torch.Tensor:
     return ((pattern >> 6) & 7) | (((pattern >> 15) & 1) << 3)
 
 
+# Bytes of packed weights the "mma64e" conversions take at once: the bit arithmetic runs on
+# int64 words with ~20 temporaries alive, ~40x the chunk, so a whole Flash layer (3.2 GB of
+# routed codes) converted in one piece needed tens of GB on the H200 (session 20: the routed
+# peers bench ran out of memory next to the peers' weights). Chunks of whole 64-row tile rows
+# keep the transient memory near 40 x 8 MiB on any layer.
+_ENC_CHUNK_BYTES = 8 << 20
+
+
+def _chunked(w4: torch.Tensor, fn, name: str) -> torch.Tensor:
+    """fn over slices of whole 64-row tile rows of w4 [..., N, K/2] (each slice's bytes are a
+    contiguous range of the result's, in either layout), assembled into one new tensor."""
+    n, kh = _check(w4, name)
+    x = w4.reshape(-1, n, kh)
+    out = torch.empty_like(x)
+    rows = max(64, (_ENC_CHUNK_BYTES // max(kh, 1)) // 64 * 64)
+    for e in range(x.shape[0]):
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            out[e, r0:r1] = fn(x[e, r0:r1])
+    return out.reshape(w4.shape)
+
+
 def to_mma64e(w4: torch.Tensor) -> torch.Tensor:
-    """[..., N, K/2] uint8 in "nk" order -> "mma64e" (the "mma64" bytes, each word re-encoded)."""
+    """[..., N, K/2] uint8 in "nk" order -> "mma64e" (the "mma64" bytes, each word re-encoded);
+    converted in chunks of at most ~_ENC_CHUNK_BYTES (bounded transient memory)."""
+    return _chunked(w4, _to_mma64e, "w4")
+
+
+def from_mma64e(w4: torch.Tensor) -> torch.Tensor:
+    """Inverse of `to_mma64e` (in chunks, as it)."""
+    return _chunked(w4, _from_mma64e, "w4")
+
+
+def _to_mma64e(w4: torch.Tensor) -> torch.Tensor:
     x = _words(to_mma64(w4))
     b = [(x >> (8 * i)) & 0xFF for i in range(4)]
     lo, hi = [v & 0xF for v in b], [v >> 4 for v in b]
@@ -201,9 +233,7 @@ def to_mma64e(w4: torch.Tensor) -> torch.Tensor:
     return _bytes(encode_words(outs)).reshape(w4.shape)
 
 
-def from_mma64e(w4: torch.Tensor) -> torch.Tensor:
-    """Inverse of `to_mma64e`."""
-    _check(w4, "w4")
+def _from_mma64e(w4: torch.Tensor) -> torch.Tensor:
     o = decode_words(_words(w4))
     half = [(o[r] >> (16 * h)) & 0xFFFF for r in range(4) for h in range(2)]  # O0 lo, O0 hi, O1 lo, ...
     lo = [_code(half[i]) for i in range(4)]        # bytes 0..3, even k
