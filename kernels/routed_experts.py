@@ -139,10 +139,13 @@ FOLD_SWAP = os.environ.get("DSV4_MOE_FOLD_SWAP", "1").strip() not in ("0", "", "
 N_FASTEST = os.environ.get("DSV4_MOE_N_FASTEST", "1").strip() not in ("0", "", "false", "off")
 N_FASTEST_MIN_BLOCK_M = 32
 # Rows per local expert from which the Flash-shaped (I >= 2048) folded swap GEMMs take 64-row
-# blocks (see _base_configs' session 18 and 19 notes).
-FLASH_SWAP64_MIN_ROWS = 36.0
+# blocks (see _base_configs' session 18-20 notes).
+FLASH_SWAP64_MIN_ROWS = 40.0
 # ... and the Pro-shaped (I <= 1024) ones.
 PRO_SWAP64_MIN_ROWS = 40.0
+# Rows per local expert from which the Pro-shaped GEMMs leave 16-row blocks for 32-row ones
+# (session 11: 24; session 20 on "mma64e" with the weight blocks fastest: 16).
+PRO_SWAP32_MIN_ROWS = 16.0
 
 
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
@@ -272,7 +275,9 @@ def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str,
     # Session 19 (probe_flash_band_eb89f4e.txt, weight blocks fastest, 3 rounds, us, 32-row ->
     # 64-row swap, gate_up + down): 34 rows (T=1450) 2183.6 -> 2353.1, 36 rows (T=1536) 2239.9
     # -> 2017.6 (level in an earlier run: 2272.9 -> 2281.7), 39.8 rows (T=1700) 2519.7 ->
-    # 2191.0, so the 64-row band starts at 36 rows (was 40).
+    # 2191.0, so the 64-row band started at 36 rows (was 40). Session 20, on "mma64e"
+    # (probe_flash_band_6ee9d37.txt, us, 32-row -> 64-row): 30 rows (T=1280) 1456.4 -> 2475.0,
+    # 36 rows (T=1536) 1980.1 -> 2249.5, 39.8 rows (T=1700) 2134.3 -> 2105.8: back to 40.
     swap64 = GemmConfig(64, 128, 4, 3, kind="swap", asm=True, a_bf16=True)
     if fold_swap and mma64 and whole and i >= 2048 and rows >= FLASH_SWAP64_MIN_ROWS:
         up = dataclasses.replace(swap64, maxnreg=168)
@@ -296,7 +301,11 @@ def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str,
     if mma64 and whole and i <= 1024 and rows >= 96:
         return capped, GemmConfig(64, 128, 4, 3, asm=True)
     if mma64 and i <= 1024 and up.kind == "swap" and up.block_m == 32 and whole:
-        if rows < 24:
+        # NOTE (session 20, docs/bench/2026-11-30/session20/probe_pro_band_6ee9d37.txt, H200,
+        # "mma64e", 3 interleaved rounds, us, gate_up + down): at 16 rows per expert (T = 1024)
+        # the 16-row blocks 437.0 + 421.0, the 32-row ones (weight blocks fastest, the down
+        # unrolled) 407.4 + 318.9 (1.18x): the 32-row band now starts at 16 rows (was 24).
+        if rows < PRO_SWAP32_MIN_ROWS:
             up = GemmConfig(16, 128, 4, 4, kind="swap", asm=True, a_bf16=True)
         else:
             up = dataclasses.replace(up, a_bf16=True)

@@ -84,6 +84,15 @@ def _kernel_table(layer, x, ids, n, ProfilerActivity, profile):
     return sorted(((k, c / n, us / n) for k, (c, us) in acc.items()), key=lambda r: -r[2])
 
 
+def _set(mod, attr, value):
+    """mod.attr = value, and forget the memoised routed GEMM configs (they read module constants
+    such as routed_experts.FLASH_SWAP64_MIN_ROWS, which are not part of their cache key)."""
+    from dsv4_moe.kernels import routed_experts as rx
+
+    setattr(mod, attr, value)
+    rx._routed_configs.cache_clear()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,4,16")
@@ -133,9 +142,9 @@ def main():
                 layer.overlap_shared = ab_ov
                 base = getattr(ab_mod, ab_attr)
                 for v in ab_vals:
-                    setattr(ab_mod, ab_attr, v)
+                    _set(ab_mod, ab_attr, v)
                     graphs[("ab", v)] = capture(layer, x, ids)
-                setattr(ab_mod, ab_attr, base)
+                _set(ab_mod, ab_attr, base)
             res = graphs_us(graphs)
             del graphs
             layer.overlap_shared = False

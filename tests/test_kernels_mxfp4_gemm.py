@@ -555,8 +555,9 @@ def test_mma64_guards_and_select_config():
         assert down.unroll == 2 and up.unroll == 1 and up.maxnreg is None, (t, up, down)
     assert routed_configs(4 * 6, pro_tp8)[1].maxnreg == 128 and routed_configs(6, pro_tp8)[1].maxnreg is None
     # the 32-row band: both GEMMs on bf16 pairs, down unrolled twice, no cap; 16-row
-    # blocks below 24 rows per expert (T = 512, 1024), 32-row ones above (T = 2048; session 11)
-    for t, bm in ((512, 16), (1024, 16), (2048, 32)):
+    # blocks below 16 rows per expert (T = 512, 1000), 32-row ones from there (T = 1024, 2048;
+    # session 11: from 24 rows; session 20: from 16)
+    for t, bm in ((512, 16), (1000, 16), (1024, 32), (2048, 32)):
         up, down = routed_configs(t * 6, pro_tp8)
         assert (up.kind, up.block_m, up.a_bf16, up.unroll, up.maxnreg) == ("swap", bm, True, 1, None), (t, up)
         assert down == dataclasses.replace(up, unroll=2, fold_order=down.fold_order), (t, down)
@@ -580,15 +581,15 @@ def test_mma64_guards_and_select_config():
     assert [routed_configs(t * 6, flash)[0].a_bf16 for t in (1, 4, 16, 1024)] == [False, True, True, True]
     # the Flash 32-row down: unrolled twice per-block, rolled when folded (the default since session 17)
     assert routed_configs(1024 * 6, flash)[1].unroll == 1 and routed_configs(1024 * 6, flash)[1].block_m == 32
-    # session 18: from 40 rows per expert (session 19: 36, T >= 1536) both GEMMs run 64-row folded swap blocks
-    # on one warpgroup, 3 stages, capped at 168 registers (was: the 64-row tile body); the
-    # 32-row swap band below
-    for t in (1536, 1707, 2048, 4096, 8192):
+    # session 18: from 40 rows per expert (session 19: 36; session 20: 40 again, T >= 1707) both
+    # GEMMs run 64-row folded swap blocks on one warpgroup, 3 stages, capped at 168 registers
+    # (was: the 64-row tile body); the 32-row swap band below
+    for t in (1707, 2048, 4096, 8192):
         up, down = routed_configs(t * 6, flash)
         assert (up.kind, up.block_m, up.num_warps, up.num_stages, up.a_bf16, up.fold_sa, up.fold_order,
                 up.maxnreg, up.unroll) == ("swap", 64, 4, 3, True, True, "wait", 168, 1), (t, up)
         assert down == up, (t, down)
-    assert routed_configs(1535 * 6, flash)[0].kind == "swap" and routed_configs(1535 * 6, flash)[0].block_m == 32
+    assert routed_configs(1706 * 6, flash)[0].kind == "swap" and routed_configs(1706 * 6, flash)[0].block_m == 32
     # per-block swap bodies (DSV4_MOE_FOLD_SWAP=0 / DSV4_MOE_FOLD_ACT_SCALE=0) would spill at 64
     # rows: there the 64-row tile body stays (session 12's configs)
     from dsv4_moe.kernels.routed_experts import _routed_configs
@@ -842,7 +843,7 @@ def test_fold_sa_guards_and_routed_configs(monkeypatch):
             (flash, 4096, "swap", "wait", "wait"), (flash, 8192, "swap", "wait", "wait"),  # 64-row blocks
             (pro, 1, "swap", "wait", "split"),       # down: 16 rows, K = 384 (3 blocks)
             (pro, 4, "swap", "wait", "split"), (pro, 16, "swap", "wait", "split"),
-            (pro, 1024, "swap", "wait", "split"),
+            (pro, 1000, "swap", "wait", "split"),
             (pro, 2048, "swap", "wait", "wait"),     # 32-row blocks
             (pro, 4096, "swap", "wait", "wait"), (pro, 8192, "swap", "wait", "wait")):  # 64-row blocks
         up, down = rx.routed_configs(t * 6, r)
