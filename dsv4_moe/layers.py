@@ -404,7 +404,7 @@ def choose_routed_layout(r: RoutedExpertWeights, requested: str = "auto") -> tup
             return r.layout, f"kept: {what} {why}"
     return "mma64e", ("auto on CUDA: whole 64 x 128 tiles, 16-byte operand loads in the MXFP4 kernels, each "
                       "word re-encoded for a 4-shift + 4-LOP3 conversion per 8 weights ('mma64': same bits, "
-                      "H200 layer 1.01-1.10x slower)")
+                      "up to 1.10x slower per layer on the H200)")
 
 
 def load_moe_layer(checkpoint_dir, layer_idx: int, *, device="cpu", tp_rank: int = 0, tp_size: int = 1,
