@@ -410,7 +410,7 @@ def test_mma64e_layout_roundtrip_and_guards():
                     return dataclasses.replace(c, maxnreg=None, fold_order="wait")
                 assert [bits(c) for c in c64e] == [bits(c) for c in c64], t
                 changed += c64e != c64
-        assert i >= 2048 or changed >= 4   # Pro-TP8 T = 1..1024: the down "split" -> "wait", gate_up capped
+        assert i >= 2048 or changed >= 4   # Pro-TP8 T = 1..256 (16-row blocks): "split" -> "wait", gate_up capped
     with pytest.raises(ValueError, match="cannot take the 'mma64' layout"):
         ml.to_mma64e(torch.zeros(96, 64, dtype=torch.uint8))
 
@@ -947,7 +947,7 @@ def test_n_fastest_rule_and_switch(monkeypatch):
     assert rx.N_FASTEST is True
     for r, t, nf in ((flash, 1, False), (flash, 16, False), (flash, 256, False),  # 16-row blocks
                      (flash, 512, True), (flash, 1024, True), (flash, 8192, True),  # 32 / 64 rows
-                     (pro, 1, False), (pro, 1024, False), (pro, 2048, True), (pro, 8192, True)):
+                     (pro, 1, False), (pro, 1000, False), (pro, 1024, True), (pro, 2048, True), (pro, 8192, True)):
         for c in rx.routed_configs(t * 6, r):
             assert c.n_fastest == nf and (not nf or (c.kind == "swap" and c.block_m >= 32 and c.split_k == 1)), \
                 (r.hidden, t, c)
