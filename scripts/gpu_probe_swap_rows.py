@@ -22,6 +22,13 @@ First run: session 18 (docs/bench/2026-11-30/session18/probe_swap_rows_*.txt). S
 64-row bands. `--layer-twins` adds the layer config timed twice (the noise floor: up to 8 % at
 T = 8192) and with n_fastest flipped; `--rounds N` interleaves N timing rounds (min and median).
     python3 scripts/gpu_probe_swap_rows.py --presets flash --ts 1536,2048,8192 --only 'swap 64 4w s4 r168 nf' --layer-twins --rounds 3
+Session 20 (docs/bench/2026-11-30/session20/) ran session 19's "mma64e" weights: `--enc` times
+the layer config on them next to the plain "mma64" ones (the layer is then built on "mma64"),
+`--enc-variants 'TAG:field=value,...;...'` the layer config with GemmConfig fields replaced, on
+the re-encoded weights (how the Pro-TP8 register cap and "wait" ordering of
+routed_experts._mma64e_configs were found). Without either, the layer and every candidate run
+on "mma64e", the layer's CUDA default.
+    python3 scripts/gpu_probe_swap_rows.py --presets pro-tp8 --ts 16,1024 --enc-variants 'r128:maxnreg=128;wait:fold_order=wait' --rounds 3
 """
 import argparse
 import dataclasses
