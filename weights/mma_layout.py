@@ -28,7 +28,7 @@ K % 128 == 0 (`mma64_supported`); other widths keep "nk" (nothing is padded).
 Scales are not permuted. `to_mma64` and `from_mma64` are inverse permutations.
 
 "mma64e" (session 19; the layer's layout on CUDA since session 20, when the H200 ran it
-bitwise "mma64" and 1.01-1.10x faster per layer) is "mma64" with the bits of
+bitwise "mma64" and 1.01-1.10x faster per Flash layer) is "mma64" with the bits of
 every aligned 32-bit word (4 stored bytes = 8 e2m1 codes, the word one thread's register
 holds) re-encoded by an invertible GF(2)-linear map, so that the kernel builds the four bf16
 pairs of a word with 4 funnel shifts and 4 LOP3 (`_ENC_OUTPUTS`) instead of 13 PRMT /
@@ -191,11 +191,12 @@ def _code(pattern: torch.Tensor) -> torch.Tensor:
     return ((pattern >> 6) & 7) | (((pattern >> 15) & 1) << 3)
 
 
-# Bytes of packed weights the "mma64e" conversions take at once: the bit arithmetic runs on
-# int64 words with ~20 temporaries alive, ~40x the chunk, so a whole Flash layer (3.2 GB of
-# routed codes) converted in one piece needed tens of GB on the H200 (session 20: the routed
-# peers bench ran out of memory next to the peers' weights). Chunks of whole 64-row tile rows
-# keep the transient memory near 40 x 8 MiB on any layer.
+# Bytes of packed weights the "mma64e" conversions take at once. The bit arithmetic runs on
+# int64: the bytes widened to int64 alone are 8x the chunk, with more int64 temporaries alive
+# beside them. In one piece the Flash gate_up (2 GiB of codes) asked the H200 for a 16 GiB
+# allocation and ran out of memory in the routed-peers bench, beside the peers' weights
+# (session 20). Chunks of whole 64-row tile rows keep the temporaries to a small multiple of
+# 8 MiB on any layer.
 _ENC_CHUNK_BYTES = 8 << 20
 
 
