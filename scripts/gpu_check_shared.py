@@ -83,6 +83,20 @@ SWEEP = {
                                     (64, 128, 4, 4, dict(IMPRECISE=128)), (64, 128, 8, 4, dict(IMPRECISE=128)),
                                     (64, 256, 8, 3, dict(IMPRECISE=128)), (128, 128, 8, 4, dict(IMPRECISE=128)))],
 }
+# Session 21: the block partial on fp16 MMA (MMA16=1: both fp8 operands converted to fp16
+# in registers, exact; fp16 wgmma with fp32 accumulation, no per-wgmma promotion) against
+# the fp8 wgmma default, at prefill and mid M (ptxas -v, sm_90a, offline: 64x128x4w 226
+# registers, 64x128x8w 200, 128x64x8w 196, 64x64x4w 200, 64x256x8w 214, no spill;
+# 128x128x8w 255 + 80 B).
+_F16 = [dict(_PRE, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, MMA16=1)
+        for bm, bn, w, st in ((64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 8, 4), (128, 64, 8, 4), (64, 64, 4, 5),
+                              (64, 256, 8, 3), (128, 128, 8, 3))]
+_FP8_REF = [dict(_PRE, BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4),
+            dict(_PRE, BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4, IMPRECISE=128)]
+SWEEP[8192] = _FP8_REF + _F16
+SWEEP[1024] = _FP8_REF + _F16
+SWEEP[128] = [dict(_PRE, BLOCK_M=64, BLOCK_N=bn, num_warps=4, num_stages=4, **x)
+              for bn in (64, 128) for x in ({}, dict(MMA16=1))]
 SPLIT_M = [1, 4, 16, 64]   # t_gemm: exact split-K vs single pass (same tiles), timing + bitwise
 
 
@@ -565,8 +579,14 @@ def part_mlp_floor():
 
 
 def part_sweep():
+    sweep_m = [int(v) for v in ARGS.sweep_m.split(",")]
     for label, n, k in GEMM_SHAPES:
+        if ARGS.sweep_shapes and label.split()[0] not in ARGS.sweep_shapes.split(","):
+            continue
         for m, cfgs in SWEEP.items():
+            if m not in sweep_m:
+                continue
+            first = {}  # per (MMA16, IMPRECISE): the first config's output, for a bitwise check
             wbytes = n * k
             nw = max(2, math.ceil(120e6 / wbytes))
             x, q, sa, ws = gemm_case(m, n, k, seed=5, nsets=nw)
@@ -578,10 +598,15 @@ def part_sweep():
                 try:
                     out = fp8_block_gemm_nt(q, sa, ws[0][0], ws[0][1], config=cfg)
                     st = ulp_stats(out[:64], want)
+                    mode = (cfg.get("MMA16", 0), cfg.get("IMPRECISE", 32))
+                    same = bool(torch.equal(out, first.setdefault(mode, out)))
                     us = bench([lambda w=w, sw=sw, cfg=cfg: fp8_block_gemm_nt(q, sa, w, sw, config=cfg)
                                 for w, sw in ws], reps=6)
                     add(dict(part="sweep", shape=label, M=m, N=n, K=k, config=cfg, us=us,
-                             TBps_w=wbytes / us / 1e6, TFLOPs=2 * m * n * k / us / 1e6, **st))
+                             TBps_w=wbytes / us / 1e6, TFLOPs=2 * m * n * k / us / 1e6,
+                             same_as_first=same, **st))
+                    log(f"sweep {label:16s} M={m:5d} {us:9.2f} us {2 * m * n * k / us / 1e6:7.1f} TF/s "
+                        f"diff%={100 * st['frac_diff']:.3f} max_ulp={st['max_ulp']} same_as_first={same} {cfg}")
                 except Exception as e:
                     add(dict(part="sweep", shape=label, M=m, config=cfg, error=f"{type(e).__name__}: {e}"[:300]))
             del ws
@@ -649,6 +674,8 @@ def main():
     p.add_argument("--budget", type=float, default=230.0, help="seconds; later sections skip when short")
     p.add_argument("--quick", action="store_true", help="correctness only (no timing, no sweep)")
     p.add_argument("--parts", default="hw,swiglu,gemm,t_swiglu,t_gemm,sweep")
+    p.add_argument("--sweep-m", default="1,4096", help="M values of the sweep (keys of SWEEP)")
+    p.add_argument("--sweep-shapes", default="", help="comma list of shape prefixes (flash,pro-tp8,pro-tp1); all if empty")
     p.add_argument("--scaled-mm-layout", default="kn_cm4", choices=WEIGHT_SCALE_LAYOUTS)
     ARGS = p.parse_args()
     os.makedirs(OUT, exist_ok=True)
