@@ -25,17 +25,20 @@ from dsv4_moe.testing import random_layer_weights
 
 
 def capture(layer, x, ids, inner=10):
+    """A graph of `inner` forwards; `layer` may be a list of layers (weight sets), used in turn."""
+    layers = layer if isinstance(layer, list) else [layer]
     with torch.no_grad():
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):
-                layer(x, ids)
+                for lay in layers:
+                    lay(x, ids)
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            for _ in range(inner):
-                layer(x, ids)
+            for j in range(inner):
+                layers[j % len(layers)](x, ids)
     g.replay()
     torch.cuda.synchronize()
     return g
@@ -104,6 +107,10 @@ def main():
                          "graphs (e.g. dsv4_moe.kernels._swiglu_quant.FILTERED_GROUPS_PER_PROGRAM=1,4,16)")
     ap.add_argument("--ab-overlap", choices=("auto", "on", "off"), default="auto",
                     help="overlap_shared of the --ab forwards ('on' / 'off' force the side stream / in line)")
+    ap.add_argument("--weight-sets", type=int, default=1,
+                    help="layers with different weights used in turn inside each graph (N > 1: weights "
+                         "not left in the L2 by the previous forward, as the layer bench's rotation)")
+    ap.add_argument("--no-kernels", action="store_true", help="graph times only (no per-kernel table)")
     args = ap.parse_args()
     ab_ov = {"auto": "auto", "on": True, "off": False}[args.ab_overlap]
     ab_mod = ab_attr = None
@@ -126,6 +133,13 @@ def main():
         w = random_layer_weights(cfg, layer_idx=5, seed=0, device="cuda")
         layer = DeepseekV4MoE(cfg, w)
         del w
+        sets = [layer] + [DeepseekV4MoE(cfg, random_layer_weights(cfg, layer_idx=5, seed=s, device="cuda"))
+                          for s in range(1, args.weight_sets)]
+        inner = 10 if len(sets) == 1 else 3 * len(sets)
+
+        def each(attr, value):
+            for lay in sets:
+                setattr(lay, attr, value)
         for t in [int(v) for v in args.tokens.split(",")]:
             g = torch.Generator(device="cuda").manual_seed(t)
             x = torch.randn(t, cfg.hidden_size, device="cuda", generator=g).bfloat16()
@@ -134,35 +148,45 @@ def main():
             saved = dispatch.PDL_MODE
             for ov in (False, True):
                 for mode in dispatch.PDL_MODES:
-                    layer.overlap_shared = ov
+                    each("overlap_shared", ov)
                     dispatch.PDL_MODE = mode
-                    graphs[(ov, mode)] = capture(layer, x, ids)
+                    graphs[(ov, mode)] = capture(sets, x, ids, inner)
             dispatch.PDL_MODE = saved
+            each("overlap_shared", "auto")
+            graphs[("auto", "auto")] = capture(sets, x, ids, inner)  # what the policies pick
             if ab_vals:
-                layer.overlap_shared = ab_ov
+                each("overlap_shared", ab_ov)
                 base = getattr(ab_mod, ab_attr)
                 for v in ab_vals:
                     _set(ab_mod, ab_attr, v)
-                    graphs[("ab", v)] = capture(layer, x, ids)
+                    graphs[("ab", v)] = capture(sets, x, ids, inner)
                 _set(ab_mod, ab_attr, base)
-            res = graphs_us(graphs)
+            res = graphs_us(graphs, inner)
             del graphs
             layer.overlap_shared = False
-            table = kernel_table(layer, x, ids)
-            layer.overlap_shared = "auto"
+            table = [] if args.no_kernels else kernel_table(layer, x, ids)
+            each("overlap_shared", "auto")
+            ov_auto = layer.shared_overlap(t)[0]
+            pick = (ov_auto, dispatch.pdl_policy(t, ov_auto)[0])
             ksum = sum(r[2] for r in table)
             def trio(ov):
                 return " / ".join(f"{res[(ov, m)]:.1f}" for m in dispatch.PDL_MODES)
             ab = (f"; default forward with {ab_attr} = {', '.join(str(v) for v in ab_vals)}: "
                   + " / ".join(f"{res[('ab', v)]:.1f}" for v in ab_vals)) if ab_vals else ""
+            best = min((k for k in res if k[0] in (False, True)), key=lambda k: res[k])
             lines.append(f"== {name} T={t}: graph us, PDL {' / '.join(dispatch.PDL_MODES)}: in line {trio(False)}, "
-                         f"overlapped {trio(True)}; kernel sum (in line, eager, PDL off) {ksum:.1f} us over "
+                         f"overlapped {trio(True)}; policies pick {'overlapped' if pick[0] else 'in line'} "
+                         f"{pick[1]}: {res[('auto', 'auto')]:.1f} (best {'overlapped' if best[0] else 'in line'} "
+                         f"{best[1]} {res[best]:.1f}, x{res[('auto', 'auto')] / res[best]:.3f}); "
+                         f"{len(sets)} weight set(s); kernel sum (in line, eager, PDL off) {ksum:.1f} us over "
                          f"{sum(r[1] for r in table):.0f} launches{ab}")
             for k, c, us in table:
                 lines.append(f"   {us:8.2f} us  x{c:4.1f}  {k}")
             rows.append(dict(preset=name, T=t, pdl=dispatch.has_pdl(layer.device)[1], kernel_sum_us=ksum, kernels=table,
+                             weight_sets=len(sets), graph_auto_us=res[("auto", "auto")],
+                             auto_pick=dict(overlap=pick[0], pdl=pick[1]),
                              **{f"graph_{'overlap' if ov else 'inline'}_{m}_us": v for (ov, m), v in res.items()
-                                if ov != "ab"},
+                                if ov in (False, True)},
                              **{f"graph_default_{ab_attr}_{m}_us": v for (ov, m), v in res.items() if ov == "ab"}))
             print("\n".join(lines[-len(table) - 1:]), flush=True)
     with open(os.path.join(out, f"profile_layer{'_' + args.tag if args.tag else ''}.txt"), "w") as f:
