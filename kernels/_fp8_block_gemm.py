@@ -275,7 +275,7 @@ def launch_fp8_block_gemm(q_u8, sa, w_u8, sw, out, cfg: dict, interpreting: bool
     num_kb = triton.cdiv(k, 128)
     sb_e8m0 = sw.dtype == torch.uint8
     a = q_u8.view(torch.float8_e4m3fn)
-    b = w_u8.view(torch.float8_e4m3fn)
+    b = w_u8 if w_u8.dtype == torch.float16 else w_u8.view(torch.float8_e4m3fn)  # fp16: probe only (MMA16)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     split_k = min(int(cfg.get("SPLIT_K", 1)), num_kb)
     kb_per = triton.cdiv(num_kb, split_k)
