@@ -146,6 +146,9 @@ PRO_SWAP64_MIN_ROWS = 40.0
 # Rows per local expert from which the Pro-shaped GEMMs leave 16-row blocks for 32-row ones
 # (session 11: 24; session 20 on "mma64e" with the weight blocks fastest: 16).
 PRO_SWAP32_MIN_ROWS = 16.0
+# Register cap of the Pro-shaped (I <= 1024) short-K down on 16-row blocks on "mma64e"
+# (see _mma64e_configs).
+PRO_DOWN16_MAXNREG = 128
 
 
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
@@ -189,6 +192,8 @@ def _mma64e_configs(up: GemmConfig, down: GemmConfig, i: int) -> tuple[GemmConfi
     if (up.kind == "swap" and up.block_m == 16 and up.split_k == 1 and i <= 1024 and up.a_bf16
             and up.maxnreg is None):
         up = dataclasses.replace(up, maxnreg=128)
+    if down.kind == "swap" and down.block_m == 16 and i <= 1024 and down.maxnreg == 128:
+        down = dataclasses.replace(down, maxnreg=PRO_DOWN16_MAXNREG)
     up, down = [dataclasses.replace(c, fold_order="wait") if c.fold_sa and c.fold_order == "split" else c
                 for c in (up, down)]
     return up, down
