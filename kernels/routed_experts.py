@@ -146,6 +146,9 @@ PRO_SWAP64_MIN_ROWS = 40.0
 # Rows per local expert from which the Pro-shaped GEMMs leave 16-row blocks for 32-row ones
 # (session 11: 24; session 20 on "mma64e" with the weight blocks fastest: 16).
 PRO_SWAP32_MIN_ROWS = 16.0
+# Rows per local expert below which the Pro-shaped 16-row gate_up on "mma64e" takes a
+# 128-register cap (see _mma64e_configs).
+PRO_UP16_CAP_MAX_ROWS = 1e9
 # Register cap of the Pro-shaped (I <= 1024) short-K down on 16-row blocks on "mma64e"
 # (see _mma64e_configs).
 PRO_DOWN16_MAXNREG = 128
@@ -171,13 +174,13 @@ def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str
         if down.fold_sa and down.kind == "swap" and down.block_m == 32 and i >= 2048:
             down = dataclasses.replace(down, unroll=1)
     if layout == "mma64e":
-        up, down = _mma64e_configs(up, down, i)
+        up, down = _mma64e_configs(up, down, i, num_routes / max(num_local, 1))
     if n_fastest:
         up, down = _n_fastest(up, num_routes, num_local), _n_fastest(down, num_routes, num_local)
     return up, down
 
 
-def _mma64e_configs(up: GemmConfig, down: GemmConfig, i: int) -> tuple[GemmConfig, GemmConfig]:
+def _mma64e_configs(up: GemmConfig, down: GemmConfig, i: int, rows: float = 0.0) -> tuple[GemmConfig, GemmConfig]:
     """The configs on the re-encoded weights ("mma64e": fewer conversion instructions, so
     other register counts and a different balance between the loads and the math)."""
     # NOTE (session 20, docs/bench/2026-11-30/session20/probe_enc_variants_f2c7f46.txt, H200,
@@ -190,7 +193,7 @@ def _mma64e_configs(up: GemmConfig, down: GemmConfig, i: int) -> tuple[GemmConfi
     #   360.0); level at T = 1 / 4 / 16 / 64 (7.0 / 17.2 / 56.2 / 154.7 -> 7.0 / 17.2 / 55.9
     #   / 154.0).
     if (up.kind == "swap" and up.block_m == 16 and up.split_k == 1 and i <= 1024 and up.a_bf16
-            and up.maxnreg is None):
+            and up.maxnreg is None and rows < PRO_UP16_CAP_MAX_ROWS):
         up = dataclasses.replace(up, maxnreg=128)
     if down.kind == "swap" and down.block_m == 16 and i <= 1024 and down.maxnreg == 128:
         down = dataclasses.replace(down, maxnreg=PRO_DOWN16_MAXNREG)
