@@ -67,8 +67,7 @@ def _e8m0_to_f32(b):
 
 @triton.jit
 def _block_partial(a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, kb, K, stride_sak, stride_sbk,
-                   SB_E8M0: tl.constexpr, EVEN_K: tl.constexpr, IMPRECISE: tl.constexpr,
-                   MMA16: tl.constexpr = 0):
+                   SB_E8M0: tl.constexpr, EVEN_K: tl.constexpr, IMPRECISE: tl.constexpr):
     """v[BM, BN] = dot(q block kb, w block kb) * sa[:, kb] * sw[:, kb] (fp32).
 
     a_ptrs / b_ptrs point at K block 0; the block offset is added here.
@@ -81,12 +80,7 @@ def _block_partial(a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, kb, K, stride_sak, stride_s
         k_left = K - kb * 128
         a = tl.load(a_ptrs + kb * 128, mask=offs_k[None, :] < k_left, other=0.0)
         b = tl.load(b_ptrs + kb * 128, mask=offs_k[:, None] < k_left, other=0.0)
-    if MMA16 == 1:
-        partial = tl.dot(a.to(tl.float16), b.to(tl.float16))
-    elif MMA16 == 2:
-        partial = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    else:
-        partial = tl.dot(a, b, max_num_imprecise_acc=IMPRECISE)
+    partial = tl.dot(a, b, max_num_imprecise_acc=IMPRECISE)
     sa = tl.load(sa_ptrs + kb * stride_sak)
     sb = tl.load(sb_ptrs + kb * stride_sbk)
     if SB_E8M0:
@@ -105,7 +99,6 @@ def _fp8_block_gemm_kernel(
     SB_E8M0: tl.constexpr, EVEN_K: tl.constexpr, IMPRECISE: tl.constexpr, SOFTWARE: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
-    MMA16: tl.constexpr = 0,
 ):
     pdl_enter(PDL)
     pid = tl.program_id(0)
@@ -138,14 +131,14 @@ def _fp8_block_gemm_kernel(
                    + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :])
         for kb in range(kb_lo, kb_hi):
             v = _block_partial(a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, kb, K, stride_sak, stride_sbk,
-                               SB_E8M0, EVEN_K, IMPRECISE, MMA16)
+                               SB_E8M0, EVEN_K, IMPRECISE)
             tl.store(ws_ptrs, v, mask=out_mask)
             ws_ptrs += M * N
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, num_kb):
             v = _block_partial(a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, kb, K, stride_sak, stride_sbk,
-                               SB_E8M0, EVEN_K, IMPRECISE, MMA16)
+                               SB_E8M0, EVEN_K, IMPRECISE)
             acc = acc + v
         # SOFTWARE (interpreter): RNE on the bits, then an exact narrowing (see round_to_bf16).
         c = round_to_bf16(acc, SOFTWARE).to(tl.bfloat16)
@@ -275,7 +268,7 @@ def launch_fp8_block_gemm(q_u8, sa, w_u8, sw, out, cfg: dict, interpreting: bool
     num_kb = triton.cdiv(k, 128)
     sb_e8m0 = sw.dtype == torch.uint8
     a = q_u8.view(torch.float8_e4m3fn)
-    b = w_u8 if w_u8.dtype == torch.float16 else w_u8.view(torch.float8_e4m3fn)  # fp16: probe only (MMA16)
+    b = w_u8.view(torch.float8_e4m3fn)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     split_k = min(int(cfg.get("SPLIT_K", 1)), num_kb)
     kb_per = triton.cdiv(num_kb, split_k)
@@ -314,8 +307,7 @@ def launch_fp8_block_gemm(q_u8, sa, w_u8, sw, out, cfg: dict, interpreting: bool
             a, sa, b, sw, out, ws, m, n, k, num_kb, kb_per,
             a.stride(0), b.stride(0), sa.stride(0), sa.stride(1), sw.stride(0), sw.stride(1), out.stride(0),
             SB_E8M0=sb_e8m0, EVEN_K=(k % 128 == 0), IMPRECISE=cfg.get("IMPRECISE", 32), SOFTWARE=interpreting,
-            SPLIT=split_k > 1, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), MMA16=cfg.get("MMA16", 0),
-            **extra, **pdl,
+            SPLIT=split_k > 1, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), **extra, **pdl,
         )
     if split_k > 1 and not fixup:
         extra2 = {} if interpreting else dict(num_warps=SUM_BLOCK // 128, num_stages=1, enable_fp_fusion=False)

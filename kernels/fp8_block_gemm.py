@@ -40,9 +40,6 @@ _SPLIT_K_PROGRAMS_PER_SM = 4
 # tl.dot max_num_imprecise_acc of the faster, less accurate prefill mode (see
 # _fp8_block_gemm's NOTE): the whole 128-wide block accumulates inside the tensor core.
 FAST_PREFILL_IMPRECISE = 128
-# EXPERIMENT (session 21): "off", or a tile "BMxBNxWARPSxSTAGES" for M > 128 with the block
-# partial on fp16 MMA (MMA16, see _fp8_block_gemm); A/B'd on the H200 before any default.
-MMA16_PREFILL = __import__("os").environ.get("DSV4_MOE_FP8_MMA16", "off")
 
 
 # M = 1 runs the CUDA-core GEMV body (GEMV=True) with BLOCK_N 64; when split (the rule
@@ -113,9 +110,6 @@ def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H200, fast_accu
     if m <= 128:
         bn = 128 if -(-m // 64) * -(-n // 128) >= num_sms else 64
         return dict(BLOCK_M=64, BLOCK_N=bn, GROUP_M=8, num_warps=4, num_stages=4, IMPRECISE=imp, SPLIT_K=1)
-    if MMA16_PREFILL != "off" and not fast_accum:
-        bm, bn, w, st = (int(v) for v in MMA16_PREFILL.split("x"))
-        return dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=w, num_stages=st, IMPRECISE=32, SPLIT_K=1, MMA16=1)
     return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4, IMPRECISE=imp, SPLIT_K=1)
 
 
