@@ -10,6 +10,16 @@ table (torch.profiler over 20 eager forwards: calls, mean device time) so the ke
 can be set against the graph time (the difference is launch gaps and serialisation).
 Writes $OUT/profile_layer.txt and .json (profile_layer_<tag>.* with --tag, so several calls in one
 device run keep their files).
+
+Session 21 added: `--weight-sets N` (N layers with different weights used in turn inside each
+graph, so a forward does not find its weights in the L2 - the layer bench rotates the same
+way), `--no-kernels` (graph times only), the policies' own pick timed beside the six fixed
+variants, and `--twins N` (the pick captured N more times). What the twins showed on the H200
+(docs/bench/2026-11-30/session21/profile_layer_twins4_23d9f88.txt): separate captures of the
+same forward run at one of two speeds, 4-11 % apart at some T (Pro-TP8 T=32 284.9-316.0 us,
+Flash T=24 516.8-561.1) and within 1.5 % at others (Pro-TP8 T=8, 24, 48). So an A/B here needs
+its variants captured several times before a difference below ~10 % means anything.
+    python3 scripts/gpu_profile_layer.py --presets pro-tp8,flash --tokens 8,24,32,48 --weight-sets 4 --no-kernels --twins 4
 """
 from __future__ import annotations
 
@@ -111,6 +121,9 @@ def main():
                     help="layers with different weights used in turn inside each graph (N > 1: weights "
                          "not left in the L2 by the previous forward, as the layer bench's rotation)")
     ap.add_argument("--no-kernels", action="store_true", help="graph times only (no per-kernel table)")
+    ap.add_argument("--twins", type=int, default=0,
+                    help="capture the policies' pick N more times (separate graphs, same forward): the "
+                         "spread between captures of one forward, the noise floor of every A/B here")
     args = ap.parse_args()
     ab_ov = {"auto": "auto", "on": True, "off": False}[args.ab_overlap]
     ab_mod = ab_attr = None
@@ -154,6 +167,8 @@ def main():
             dispatch.PDL_MODE = saved
             each("overlap_shared", "auto")
             graphs[("auto", "auto")] = capture(sets, x, ids, inner)  # what the policies pick
+            for j in range(args.twins):
+                graphs[("twin", j)] = capture(sets, x, ids, inner)
             if ab_vals:
                 each("overlap_shared", ab_ov)
                 base = getattr(ab_mod, ab_attr)
@@ -174,16 +189,19 @@ def main():
             ab = (f"; default forward with {ab_attr} = {', '.join(str(v) for v in ab_vals)}: "
                   + " / ".join(f"{res[('ab', v)]:.1f}" for v in ab_vals)) if ab_vals else ""
             best = min((k for k in res if k[0] in (False, True)), key=lambda k: res[k])
+            caps = [res[("auto", "auto")]] + [res[("twin", j)] for j in range(args.twins)]
+            twins = (f"; {len(caps)} captures of the pick: {' / '.join(f'{v:.1f}' for v in caps)} "
+                     f"(max / min x{max(caps) / min(caps):.3f})") if args.twins else ""
             lines.append(f"== {name} T={t}: graph us, PDL {' / '.join(dispatch.PDL_MODES)}: in line {trio(False)}, "
                          f"overlapped {trio(True)}; policies pick {'overlapped' if pick[0] else 'in line'} "
                          f"{pick[1]}: {res[('auto', 'auto')]:.1f} (best {'overlapped' if best[0] else 'in line'} "
                          f"{best[1]} {res[best]:.1f}, x{res[('auto', 'auto')] / res[best]:.3f}); "
                          f"{len(sets)} weight set(s); kernel sum (in line, eager, PDL off) {ksum:.1f} us over "
-                         f"{sum(r[1] for r in table):.0f} launches{ab}")
+                         f"{sum(r[1] for r in table):.0f} launches{twins}{ab}")
             for k, c, us in table:
                 lines.append(f"   {us:8.2f} us  x{c:4.1f}  {k}")
             rows.append(dict(preset=name, T=t, pdl=dispatch.has_pdl(layer.device)[1], kernel_sum_us=ksum, kernels=table,
-                             weight_sets=len(sets), graph_auto_us=res[("auto", "auto")],
+                             weight_sets=len(sets), graph_auto_us=res[("auto", "auto")], graph_auto_captures_us=caps,
                              auto_pick=dict(overlap=pick[0], pdl=pick[1]),
                              **{f"graph_{'overlap' if ov else 'inline'}_{m}_us": v for (ov, m), v in res.items()
                                 if ov in (False, True)},
