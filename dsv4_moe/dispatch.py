@@ -106,8 +106,9 @@ def pdl_scope(mode: str):
 
 
 @functools.lru_cache(maxsize=4096)  # pure; asked on every forward
-def pdl_policy(num_tokens: int, shared_overlapped: bool) -> tuple[str, str]:
-    """(mode, reason) a layer forward launches with under PDL_MODE "auto"."""
+def pdl_policy(num_tokens: int, shared_overlapped: bool, intermediate: int = 0) -> tuple[str, str]:
+    """(mode, reason) a layer forward launches with under PDL_MODE "auto" (`intermediate`: the
+    layer's expert intermediate size per rank; 0 when unknown)."""
     # NOTE: H200, session 7 (docs/bench/2026-11-29/session7/profile_layer_pdl_modes_3bae5ab.txt,
     # graph us early / exit / off): with the shared expert overlapped on a side stream,
     # early release was slower than release at exit from T = 4 (Pro-TP8 T=4 115.4 / 105.1,
@@ -115,6 +116,17 @@ def pdl_policy(num_tokens: int, shared_overlapped: bool) -> tuple[str, str]:
     # kernels' successors sit resident and idle beside the side stream's kernels. At T = 1
     # (Flash 82.2 / 86.9 / 98.0, Pro-TP8 49.6 / 52.8 / 58.7) and in line at every T (Flash
     # T=64 1142.7 / 1149.0 / 1154.0) early was fastest.
+    # NOTE (session 21, docs/bench/2026-11-30/session21/, H200, graphs, rotated weights, us, PDL
+    # at exit / off): the Flash-shaped layer (I = 2048) with its shared expert overlapped runs
+    # T = 3-4 faster without PDL - layer bench, two alternating runs each (bench_pdl_*_7d952ed):
+    # T=3 147.8 / 144.7 and 148.0 / 144.7, T=4 169.9 / 165.1 and 170.1 / 164.8; level at T=2
+    # (107.5 / 107.5) and T=6 (214.9 / 217.3). gpu_profile_layer --weight-sets 4 --twins 5
+    # (profile_layer_twins5_b99040d.txt): T=4 off 157.3 against 163.3-167.7 over six captures
+    # at exit. Not on Pro-TP8 (I = 384), where exit stays ahead at T = 2-4 (80.4 vs 81.8 at
+    # T = 3, 90.7 vs 92.3 at T = 4).
+    if shared_overlapped and intermediate >= 2048 and 3 <= num_tokens <= 4:
+        return "off", (f"shared expert overlapped, T = {num_tokens}, I = {intermediate}: launched without PDL "
+                       f"(measured faster than release at exit on the H200)")
     if shared_overlapped and num_tokens > 1:
         return "exit", "shared expert overlapped, T > 1: successors released at CTA exit"
     return "early", ("T = 1" if shared_overlapped else "shared expert in line") + ": successors released early"

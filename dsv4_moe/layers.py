@@ -251,7 +251,8 @@ class DeepseekV4MoE(_NativeBuffers):
             return torch.empty_like(x)
         if dispatch.PDL_MODE != "auto" or x.device.type != "cuda":
             return self._forward(x, input_ids, t)
-        with dispatch.pdl_scope(dispatch.pdl_policy(t, self._side_stream(x.device, t) is not None)[0]):
+        with dispatch.pdl_scope(dispatch.pdl_policy(t, self._side_stream(x.device, t) is not None,
+                                                    self.config.local_intermediate(self.tp_size))[0]):
             return self._forward(x, input_ids, t)
 
     def _forward(self, x: torch.Tensor, input_ids: Optional[torch.Tensor], t: int) -> torch.Tensor:
@@ -340,7 +341,8 @@ class DeepseekV4MoE(_NativeBuffers):
                 f"shared expert as expert {c.n_routed_experts} in the routed launch (SPEC §5.3): not taken: "
                 f"{self._heterogeneous_reason(num_tokens)}")
         if self.device.type == "cuda" and dispatch.has_pdl(self.device)[0]:
-            mode, why = (dispatch.pdl_policy(num_tokens, self.shared_overlap(num_tokens)[0])
+            mode, why = (dispatch.pdl_policy(num_tokens, self.shared_overlap(num_tokens)[0],
+                                             c.local_intermediate(self.tp_size))
                          if dispatch.PDL_MODE == "auto"
                          else (dispatch.PDL_MODE, "dispatch.PDL_MODE"))
             head += f"\nprogrammatic dependent launch: {mode} ({why})"

@@ -182,7 +182,7 @@ def main():
             table = [] if args.no_kernels else kernel_table(layer, x, ids)
             each("overlap_shared", "auto")
             ov_auto = layer.shared_overlap(t)[0]
-            pick = (ov_auto, dispatch.pdl_policy(t, ov_auto)[0])
+            pick = (ov_auto, dispatch.pdl_policy(t, ov_auto, layer.config.local_intermediate(layer.tp_size))[0])
             ksum = sum(r[2] for r in table)
             def trio(ov):
                 return " / ".join(f"{res[(ov, m)]:.1f}" for m in dispatch.PDL_MODES)
