@@ -147,10 +147,14 @@ PRO_SWAP64_MIN_ROWS = 40.0
 # (session 11: 24; session 20 on "mma64e" with the weight blocks fastest: 16).
 PRO_SWAP32_MIN_ROWS = 16.0
 # Rows per local expert below which the Pro-shaped 16-row gate_up on "mma64e" takes a
-# 128-register cap (see _mma64e_configs).
-PRO_UP16_CAP_MAX_ROWS = 1e9
-# Register cap of the Pro-shaped (I <= 1024) short-K down on 16-row blocks on "mma64e"
-# (see _mma64e_configs).
+# 128-register cap (see _mma64e_configs), and the register cap of the Pro-shaped (I <= 1024)
+# short-K down on 16-row blocks there: A/B switches (scripts/gpu_profile_layer.py --ab).
+# NOTE (session 21, docs/bench/2026-11-30/session21/, H200): lifting the gate_up cap from 2
+# rows per expert was 1.08-1.11x on the GEMM at T = 256 / 512 but level at 64 / 128 / 768, and
+# the layer level at T = 64-256, 0.98x at 512 / 768; a 96-register cap on the down (5 programs
+# per SM, no spill, 0 hazards) was 1.03-1.08x on the GEMM at T = 4-512 and 0-3 % in the layer,
+# inside the spread between captures of one forward (up to 11 %). Both stay as they were.
+PRO_UP16_CAP_MAX_ROWS = float("inf")
 PRO_DOWN16_MAXNREG = 128
 
 
