@@ -123,6 +123,31 @@ def test_routed_layout_option_reaches_the_layer_and_the_notes(tmp_path):
     assert any(r["case"] == "stage routed" and r["status"] == "ok" for r in data["rows"])
 
 
+def test_overlap_shared_option_reaches_the_layers_and_the_notes(tmp_path, monkeypatch):
+    """--overlap-shared on / off builds the layers with overlap_shared True / False (the A/B
+    switch for the shared expert's side stream); the JSON notes say so; "auto" adds no note."""
+    from dsv4_moe.bench import ours
+
+    built = []
+    real = ours.build_layer
+
+    def spy(config, weights, routed_layout="auto", overlap_shared="auto"):
+        built.append(overlap_shared)
+        return real(config, weights, routed_layout, overlap_shared)
+
+    monkeypatch.setattr(ours, "build_layer", spy)
+    for flag, want in (("off", False), ("on", True), ("auto", "auto")):
+        built.clear()
+        path = tmp_path / f"ov_{flag}.json"
+        assert main(FAST + ["--tokens", "2", "--parts", "layer", "--overlap-shared", flag, "--json", str(path)]) == 0
+        assert built, flag
+        assert all((v == "auto") if want == "auto" else (v is want) for v in built), built
+        notes = json.loads(path.read_text())["notes"]
+        assert any("overlap_shared" in n for n in notes) == (flag != "auto"), notes
+    with pytest.raises(SystemExit):
+        main(FAST + ["--overlap-shared", "sometimes"])
+
+
 def test_expert_parallel_rank_runs_stages_and_explains_the_layer_skip(tmp_path):
     path = tmp_path / "ep.json"
     assert main(FAST + ["--tokens", "4", "--ep-size", "2", "--ep-rank", "1", "--parts", "layer,stages",

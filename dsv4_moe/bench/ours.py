@@ -101,11 +101,11 @@ def single_rank_view(config, weights):
     return cfg, w
 
 
-def build_layer(config, weights, routed_layout: str = "auto"):
-    """DeepseekV4MoE(config, weights, routed_layout=...); raises ImportError while
-    dsv4_moe.layers is absent."""
+def build_layer(config, weights, routed_layout: str = "auto", overlap_shared="auto"):
+    """DeepseekV4MoE(config, weights, routed_layout=..., overlap_shared=...); raises
+    ImportError while dsv4_moe.layers is absent."""
     layers = importlib.import_module("dsv4_moe.layers")
-    return layers.DeepseekV4MoE(config, weights, routed_layout=routed_layout)
+    return layers.DeepseekV4MoE(config, weights, routed_layout=routed_layout, overlap_shared=overlap_shared)
 
 
 def build_shared(config, weights):

@@ -86,6 +86,9 @@ def build_parser(prog: str = "python -m dsv4_moe bench") -> argparse.ArgumentPar
     run.add_argument("--routed-layout", choices=("auto", "nk", "mma64", "mma64e"), default="auto",
                      help="byte order of this package's routed weights (DeepseekV4MoE routed_layout; 'auto' "
                           "takes 'mma64e' on CUDA, 'mma64' is its same-bits A/B twin)")
+    run.add_argument("--overlap-shared", choices=("auto", "on", "off"), default="auto",
+                     help="DeepseekV4MoE overlap_shared of this package's layers: 'auto' (the layer's policy), "
+                          "'on' / 'off' force the shared expert onto its side stream / in line (an A/B switch)")
     run.add_argument("--ref-max-tokens", type=int, default=4,
                      help="on CUDA the reference path (fp64 loops) is timed only up to this T")
     run.add_argument("--sets", type=int, default=0, help="rotated input sets (0: sized from the L2)")

@@ -145,7 +145,12 @@ def run(b, cfg, w, w_ep_size, tokens, parts, paths, stage_list, peer_names) -> N
                          f"process group, which this single-GPU bench does not create; stages still run")
         else:
             try:
-                layers = [ours.build_layer(cfg, wc, layout) for wc in wcopies]
+                ov = {"auto": "auto", "on": True, "off": False}[getattr(args, "overlap_shared", "auto")]
+                layers = [ours.build_layer(cfg, wc, layout, ov) for wc in wcopies]
+                if ov != "auto":
+                    b.notes.append(f"layers built with overlap_shared={ov} (--overlap-shared "
+                                   f"{args.overlap_shared}): the shared expert "
+                                   f"{'on its side stream' if ov else 'in line'} at every T")
             except Exception as e:  # noqa: BLE001 - reported on every row that needs the layer
                 layer_err = f"DeepseekV4MoE unavailable: {type(e).__name__}: {str(e)[:200]}"
 
