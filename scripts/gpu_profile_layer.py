@@ -20,6 +20,8 @@ same forward run at one of two speeds, 4-11 % apart at some T (Pro-TP8 T=32 284.
 Flash T=24 516.8-561.1) and within 1.5 % at others (Pro-TP8 T=8, 24, 48). So an A/B here needs
 its variants captured several times before a difference below ~10 % means anything.
     python3 scripts/gpu_profile_layer.py --presets pro-tp8,flash --tokens 8,24,32,48 --weight-sets 4 --no-kernels --twins 4
+`--ab-captures N` captures each --ab value N times (interleaved) and reports the median (not
+yet run on the H200 in this form; session 21's --ab rows are single captures).
 """
 from __future__ import annotations
 
@@ -115,6 +117,9 @@ def main():
                     help="module.ATTR=v1,v2,...: also time the default forward (PDL auto, overlap_shared "
                          "'auto') with the module constant set to each value, interleaved with the other "
                          "graphs (e.g. dsv4_moe.kernels._swiglu_quant.FILTERED_GROUPS_PER_PROGRAM=1,4,16)")
+    ap.add_argument("--ab-captures", type=int, default=1,
+                    help="capture each --ab value this many times (interleaved) and report the median: "
+                         "separate captures of one forward can differ by up to ~11 %% (see --twins)")
     ap.add_argument("--ab-overlap", choices=("auto", "on", "off"), default="auto",
                     help="overlap_shared of the --ab forwards ('on' / 'off' force the side stream / in line)")
     ap.add_argument("--weight-sets", type=int, default=1,
@@ -172,9 +177,10 @@ def main():
             if ab_vals:
                 each("overlap_shared", ab_ov)
                 base = getattr(ab_mod, ab_attr)
-                for v in ab_vals:
-                    _set(ab_mod, ab_attr, v)
-                    graphs[("ab", v)] = capture(sets, x, ids, inner)
+                for j in range(args.ab_captures):  # the values interleaved, each captured ab_captures times
+                    for i, v in enumerate(ab_vals):
+                        _set(ab_mod, ab_attr, v)
+                        graphs[("ab", i, j)] = capture(sets, x, ids, inner)
                 _set(ab_mod, ab_attr, base)
             res = graphs_us(graphs, inner)
             del graphs
@@ -186,8 +192,13 @@ def main():
             ksum = sum(r[2] for r in table)
             def trio(ov):
                 return " / ".join(f"{res[(ov, m)]:.1f}" for m in dispatch.PDL_MODES)
+            ab_caps = [[res[("ab", i, j)] for j in range(args.ab_captures)] for i in range(len(ab_vals))]
+            ab_med = [sorted(c)[len(c) // 2] for c in ab_caps]
             ab = (f"; default forward with {ab_attr} = {', '.join(str(v) for v in ab_vals)}: "
-                  + " / ".join(f"{res[('ab', v)]:.1f}" for v in ab_vals)) if ab_vals else ""
+                  + " / ".join(f"{m:.1f}" for m in ab_med)
+                  + (f" (median of {args.ab_captures} captures each: "
+                     + "; ".join(" / ".join(f"{u:.1f}" for u in c) for c in ab_caps) + ")"
+                     if args.ab_captures > 1 else "")) if ab_vals else ""
             best = min((k for k in res if k[0] in (False, True)), key=lambda k: res[k])
             caps = [res[("auto", "auto")]] + [res[("twin", j)] for j in range(args.twins)]
             twins = (f"; {len(caps)} captures of the pick: {' / '.join(f'{v:.1f}' for v in caps)} "
@@ -205,7 +216,8 @@ def main():
                              auto_pick=dict(overlap=pick[0], pdl=pick[1]),
                              **{f"graph_{'overlap' if ov else 'inline'}_{m}_us": v for (ov, m), v in res.items()
                                 if ov in (False, True)},
-                             **{f"graph_default_{ab_attr}_{m}_us": v for (ov, m), v in res.items() if ov == "ab"}))
+                             **{f"graph_default_{ab_attr}_{v}_us": m for v, m in zip(ab_vals, ab_med)},
+                             **{f"graph_default_{ab_attr}_{v}_captures_us": c for v, c in zip(ab_vals, ab_caps)}))
             print("\n".join(lines[-len(table) - 1:]), flush=True)
     with open(os.path.join(out, f"profile_layer{'_' + args.tag if args.tag else ''}.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
