@@ -383,8 +383,16 @@ def _env_forced() -> dict[str, str]:
     for item in filter(None, (s.strip() for s in raw.split(","))):
         if "=" not in item:
             raise ValueError(f"DSV4_MOE_FORCE={raw!r}: expected 'stage=path,...'")
-        k, v = item.split("=", 1)
-        out[k.strip()] = v.strip()
+        k, v = (t.strip() for t in item.split("=", 1))
+        if k == "all":
+            if not any(pa.name == v for ps in STAGES.values() for pa in ps):
+                raise ValueError(f"DSV4_MOE_FORCE={raw!r}: all={v!r}: no stage has a path {v!r}")
+        elif k not in STAGES:
+            raise ValueError(f"DSV4_MOE_FORCE={raw!r}: unknown stage {k!r}; stages are {sorted(STAGES)}")
+        elif not any(pa.name == v for pa in STAGES[k]):
+            raise ValueError(f"DSV4_MOE_FORCE={raw!r}: stage {k!r} has no path {v!r}; its paths are "
+                             f"{[pa.name for pa in STAGES[k]]}")
+        out[k] = v
     return out
 
 

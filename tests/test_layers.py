@@ -172,6 +172,16 @@ def test_env_force(monkeypatch):
     monkeypatch.setenv("DSV4_MOE_FORCE", "finalize=reference")
     p = dispatch.plan_stage("finalize", DispatchContext(device=torch.device("cpu")))
     assert p.forced and p.chosen.name == "reference"
+    # a misspelt stage, a path the stage lacks, or all= a path no stage has: an error naming it,
+    # not a silently ignored entry
+    ctx = DispatchContext(device=torch.device("cpu"))
+    for bad, what in (("finalise=unfused", "unknown stage 'finalise'"), ("finalize=fast", "no path 'fast'"),
+                      ("all=fastest", "all='fastest'")):
+        monkeypatch.setenv("DSV4_MOE_FORCE", bad)
+        with pytest.raises(ValueError, match=what):
+            dispatch.plan_stage("router", ctx)
+    monkeypatch.setenv("DSV4_MOE_FORCE", "all=reference")
+    assert dispatch.plan_stage("router", ctx).chosen.name == "reference"
 
 
 # --------------------------------------------------------------------------- CLI / loading
