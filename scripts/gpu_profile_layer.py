@@ -36,8 +36,9 @@ from dsv4_moe import DeepseekV4MoE, MoEConfig, dispatch
 from dsv4_moe.testing import random_layer_weights
 
 
-def capture(layer, x, ids, inner=10):
-    """A graph of `inner` forwards; `layer` may be a list of layers (weight sets), used in turn."""
+def capture(layer, x, ids, inner=10, pool=None):
+    """A graph of `inner` forwards; `layer` may be a list of layers (weight sets), used in turn;
+    `pool`: a graph memory pool to capture into (another graph's `.pool()`), else a private one."""
     layers = layer if isinstance(layer, list) else [layer]
     with torch.no_grad():
         s = torch.cuda.Stream()
@@ -48,7 +49,7 @@ def capture(layer, x, ids, inner=10):
                     lay(x, ids)
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        with torch.cuda.graph(g, pool=pool):
             for j in range(inner):
                 layers[j % len(layers)](x, ids)
     g.replay()

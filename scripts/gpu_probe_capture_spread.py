@@ -1,0 +1,147 @@
+"""Why two CUDA-graph captures of one forward run at different speeds (H200 tool).
+
+    OUT=./out python3 scripts/gpu_probe_capture_spread.py [--presets flash,pro-tp8] [--tokens 24,32]
+        [--captures 6] [--weight-sets 4] [--overlap auto|on|off]
+
+Session 21 found that separate captures of the identical DeepseekV4MoE forward replay at one of
+two speeds, 4-11 % apart at some T (Flash T = 24 ~518 or ~560 us; Pro-TP8 T = 32), while one
+graph replays within ~1 % (`gpu_profile_layer.py --twins`). Per preset and T this probe:
+
+1. captures the forward `--captures` times into private memory pools (as every earlier tool
+   did) and `--captures` times into one shared pool (`torch.cuda.graph(g, pool=first.pool())`:
+   each capture finds the previous one's freed intermediates, so the graphs use the same
+   intermediate addresses), the two kinds alternating;
+2. times every graph (median of --reps replays, all graphs interleaved);
+3. prints each graph's memory-pool segments (base address, size): the graphs differ in
+   nothing else, so if the speed follows an address pattern this shows it;
+4. profiles the fastest and the slowest graph (torch.profiler over --profile-replays replays
+   each) and prints the kernels whose time differs most - which kernel is slow in the slow
+   capture.
+
+Writes $OUT/probe_capture_spread[_TAG].txt and .json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_profile_layer import capture, graphs_us  # noqa: E402
+
+from dsv4_moe import DeepseekV4MoE, MoEConfig  # noqa: E402
+from dsv4_moe.testing import random_layer_weights  # noqa: E402
+
+
+def pool_segments(g) -> list[tuple[int, int]]:
+    """(address, size) of the memory segments of graph g's pool, sorted by address."""
+    pid = tuple(g.pool())
+    return sorted((s["address"], s["total_size"]) for s in torch.cuda.memory_snapshot()
+                  if tuple(s.get("segment_pool_id", ())) == pid)
+
+
+def kernel_times(g, inner: int, replays: int) -> tuple[dict, float]:
+    """Per-kernel device time per forward inside graph g (torch.profiler over `replays`
+    replays), and the mean span from the first kernel's start to the last one's end per replay."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            g.replay()
+            torch.cuda.synchronize()
+    acc = defaultdict(float)
+    starts, ends = [], []
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            acc[ev.name[:100]] += ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
+            starts.append(ev.time_range.start)
+            ends.append(ev.time_range.end)
+    span = (max(ends) - min(starts)) / replays / inner if starts else float("nan")  # includes host gaps between replays
+    return {k: v / replays / inner for k, v in acc.items()}, span
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", default="flash,pro-tp8")
+    ap.add_argument("--tokens", default="24,32")
+    ap.add_argument("--captures", type=int, default=6, help="captures of each kind (private pools, one shared pool)")
+    ap.add_argument("--weight-sets", type=int, default=4)
+    ap.add_argument("--overlap", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--profile-replays", type=int, default=5)
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    out = os.environ.get("OUT", "./out")
+    os.makedirs(out, exist_ok=True)
+    ov = {"auto": "auto", "on": True, "off": False}[args.overlap]
+    cfgs = {"flash": MoEConfig.flash(),
+            "pro-tp8": MoEConfig.pro().replace(moe_intermediate_size=384, name="pro-tp8-rank")}
+    lines, rows = [], []
+
+    def say(s):
+        print(s, flush=True)
+        lines.append(s)
+
+    for name in args.presets.split(","):
+        cfg = cfgs[name]
+        sets = [DeepseekV4MoE(cfg, random_layer_weights(cfg, layer_idx=5, seed=s, device="cuda"))
+                for s in range(args.weight_sets)]
+        for lay in sets:
+            lay.overlap_shared = ov
+        inner = 10 if len(sets) == 1 else 3 * len(sets)
+        for t in [int(v) for v in args.tokens.split(",")]:
+            gen = torch.Generator(device="cuda").manual_seed(t)
+            x = torch.randn(t, cfg.hidden_size, device="cuda", generator=gen).bfloat16()
+            ids = torch.randint(0, cfg.vocab_size, (t,), device="cuda", generator=gen)
+            graphs, shared_pool = {}, None
+            for j in range(args.captures):
+                graphs[("private", j)] = capture(sets, x, ids, inner)
+                g = capture(sets, x, ids, inner, pool=shared_pool)
+                shared_pool = shared_pool or g.pool()
+                graphs[("shared", j)] = g
+            segs = {k: pool_segments(g) for k, g in graphs.items()}
+            res = graphs_us(graphs, inner, args.reps)
+            res2 = graphs_us(graphs, inner, args.reps)  # a second pass: is a graph's speed its own?
+            say(f"== {name} T={t} overlap={args.overlap}, {len(sets)} weight sets, {inner} forwards per graph: "
+                f"us per forward (pass 1 / pass 2)")
+            for kind in ("private", "shared"):
+                vals = [res[(kind, j)] for j in range(args.captures)]
+                say(f"   {kind:8s}: " + "  ".join(f"{res[(kind, j)]:.1f}/{res2[(kind, j)]:.1f}"
+                                                for j in range(args.captures))
+                    + f"   max/min x{max(vals) / min(vals):.3f}")
+            for k in graphs:
+                sg = segs[k]
+                say(f"   {k[0]:8s} {k[1]}: {res[k]:7.1f} us  segments "
+                    + " ".join(f"{a:#x}+{s >> 10}K" for a, s in sg[:6]) + (" ..." if len(sg) > 6 else ""))
+            fast = min(graphs, key=lambda k: res[k] + res2[k])
+            slow = max(graphs, key=lambda k: res[k] + res2[k])
+            kt_f, span_f = kernel_times(graphs[fast], inner, args.profile_replays)
+            kt_s, span_s = kernel_times(graphs[slow], inner, args.profile_replays)
+            say(f"   profiled: fastest {fast} ({res[fast]:.1f} us), slowest {slow} ({res[slow]:.1f} us); "
+                f"kernel sums {sum(kt_f.values()):.1f} / {sum(kt_s.values()):.1f} us per forward, "
+                f"spans {span_f:.1f} / {span_s:.1f}")
+            names = sorted(set(kt_f) | set(kt_s), key=lambda n: -abs(kt_s.get(n, 0) - kt_f.get(n, 0)))
+            for n in names[:12]:
+                say(f"     {kt_f.get(n, 0):8.2f} {kt_s.get(n, 0):8.2f}  {kt_s.get(n, 0) - kt_f.get(n, 0):+7.2f}  {n}")
+            rows.append(dict(preset=name, T=t, overlap=args.overlap, weight_sets=len(sets),
+                             us={f"{k[0]}{k[1]}": [res[k], res2[k]] for k in graphs},
+                             segments={f"{k[0]}{k[1]}": segs[k] for k in graphs},
+                             fastest=f"{fast[0]}{fast[1]}", slowest=f"{slow[0]}{slow[1]}",
+                             kernels_fast=kt_f, kernels_slow=kt_s))
+            del graphs
+            torch.cuda.empty_cache()
+    tag = "_" + args.tag if args.tag else ""
+    with open(os.path.join(out, f"probe_capture_spread{tag}.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(out, f"probe_capture_spread{tag}.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
