@@ -44,9 +44,36 @@ def pool_segments(g) -> list[tuple[int, int]]:
                   if tuple(s.get("segment_pool_id", ())) == pid)
 
 
-def kernel_times(g, inner: int, replays: int) -> tuple[dict, float]:
+class AllocLog:
+    """Records (shape, dtype, data_ptr) of every torch.empty / zeros / empty_like the forward
+    makes during a capture while active (the package's kernels allocate through these three)."""
+
+    def __init__(self):
+        self.log = []
+
+    def __enter__(self):
+        self.saved = {n: getattr(torch, n) for n in ("empty", "zeros", "empty_like")}
+        for n, f in self.saved.items():
+            setattr(torch, n, self._wrap(f))
+        return self
+
+    def _wrap(self, f):
+        def inner(*a, **kw):
+            t = f(*a, **kw)
+            if t.is_cuda and torch.cuda.is_current_stream_capturing():  # not the warm-up forwards
+                self.log.append((tuple(t.shape), str(t.dtype).replace("torch.", ""), t.data_ptr()))
+            return t
+        return inner
+
+    def __exit__(self, *exc):
+        for n, f in self.saved.items():
+            setattr(torch, n, f)
+
+
+def kernel_times(g, inner: int, replays: int) -> tuple[dict, float, list]:
     """Per-kernel device time per forward inside graph g (torch.profiler over `replays`
-    replays), and the mean span from the first kernel's start to the last one's end per replay."""
+    replays), the mean span from the first kernel's start to the last one's end per replay, and
+    the mean duration of the i-th kernel of a replay (name, us) in launch order."""
     from torch.profiler import ProfilerActivity, profile
 
     g.replay()
@@ -56,14 +83,17 @@ def kernel_times(g, inner: int, replays: int) -> tuple[dict, float]:
             g.replay()
             torch.cuda.synchronize()
     acc = defaultdict(float)
-    starts, ends = [], []
+    evs = []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            acc[ev.name[:100]] += ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
-            starts.append(ev.time_range.start)
-            ends.append(ev.time_range.end)
-    span = (max(ends) - min(starts)) / replays / inner if starts else float("nan")  # includes host gaps between replays
-    return {k: v / replays / inner for k, v in acc.items()}, span
+            us = ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
+            acc[ev.name[:100]] += us
+            evs.append((ev.time_range.start, ev.time_range.end, ev.name[:60], us))
+    evs.sort()
+    span = (evs[-1][1] - evs[0][0]) / replays / inner if evs else float("nan")  # includes host gaps between replays
+    per = len(evs) // replays
+    seq = [(evs[i][2], sum(evs[r * per + i][3] for r in range(replays)) / replays) for i in range(per)]
+    return {k: v / replays / inner for k, v in acc.items()}, span, seq
 
 
 def main():
@@ -76,6 +106,8 @@ def main():
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--profile-replays", type=int, default=5)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--no-shared", action="store_true", help="private-pool captures only")
+    ap.add_argument("--show-allocs", type=int, default=60, help="allocations listed in the text output")
     args = ap.parse_args()
     out = os.environ.get("OUT", "./out")
     os.makedirs(out, exist_ok=True)
@@ -100,9 +132,16 @@ def main():
             x = torch.randn(t, cfg.hidden_size, device="cuda", generator=gen).bfloat16()
             ids = torch.randint(0, cfg.vocab_size, (t,), device="cuda", generator=gen)
             graphs, shared_pool = {}, None
+            allocs = {}
             for j in range(args.captures):
-                graphs[("private", j)] = capture(sets, x, ids, inner)
-                g = capture(sets, x, ids, inner, pool=shared_pool)
+                with AllocLog() as log:
+                    graphs[("private", j)] = capture(sets, x, ids, inner)
+                allocs[("private", j)] = log.log
+                if args.no_shared:
+                    continue
+                with AllocLog() as log:
+                    g = capture(sets, x, ids, inner, pool=shared_pool)
+                allocs[("shared", j)] = log.log
                 shared_pool = shared_pool or g.pool()
                 graphs[("shared", j)] = g
             segs = {k: pool_segments(g) for k, g in graphs.items()}
@@ -110,7 +149,7 @@ def main():
             res2 = graphs_us(graphs, inner, args.reps)  # a second pass: is a graph's speed its own?
             say(f"== {name} T={t} overlap={args.overlap}, {len(sets)} weight sets, {inner} forwards per graph: "
                 f"us per forward (pass 1 / pass 2)")
-            for kind in ("private", "shared"):
+            for kind in ("private",) + (() if args.no_shared else ("shared",)):
                 vals = [res[(kind, j)] for j in range(args.captures)]
                 say(f"   {kind:8s}: " + "  ".join(f"{res[(kind, j)]:.1f}/{res2[(kind, j)]:.1f}"
                                                 for j in range(args.captures))
@@ -121,15 +160,32 @@ def main():
                     + " ".join(f"{a:#x}+{s >> 10}K" for a, s in sg[:6]) + (" ..." if len(sg) > 6 else ""))
             fast = min(graphs, key=lambda k: res[k] + res2[k])
             slow = max(graphs, key=lambda k: res[k] + res2[k])
-            kt_f, span_f = kernel_times(graphs[fast], inner, args.profile_replays)
-            kt_s, span_s = kernel_times(graphs[slow], inner, args.profile_replays)
+            kt_f, span_f, seq_f = kernel_times(graphs[fast], inner, args.profile_replays)
+            kt_s, span_s, seq_s = kernel_times(graphs[slow], inner, args.profile_replays)
             say(f"   profiled: fastest {fast} ({res[fast]:.1f} us), slowest {slow} ({res[slow]:.1f} us); "
                 f"kernel sums {sum(kt_f.values()):.1f} / {sum(kt_s.values()):.1f} us per forward, "
                 f"spans {span_f:.1f} / {span_s:.1f}")
             names = sorted(set(kt_f) | set(kt_s), key=lambda n: -abs(kt_s.get(n, 0) - kt_f.get(n, 0)))
             for n in names[:12]:
                 say(f"     {kt_f.get(n, 0):8.2f} {kt_s.get(n, 0):8.2f}  {kt_s.get(n, 0) - kt_f.get(n, 0):+7.2f}  {n}")
+            if len(seq_f) == len(seq_s):
+                say("   the kernels of one replay in launch order whose time differs most (fast / slow us):")
+                order = sorted(range(len(seq_f)), key=lambda i: -abs(seq_s[i][1] - seq_f[i][1]))[:16]
+                for i in sorted(order):
+                    say(f"     #{i:4d} {seq_f[i][1]:8.2f} {seq_s[i][1]:8.2f}  {seq_f[i][0]}")
+            # the forward's allocations (first capture pass): index, shape, and each graph's address
+            n_al = min(len(v) for v in allocs.values())
+            say(f"   allocations during capture: {n_al} (first {min(n_al, args.show_allocs)} listed; address per graph, "
+                f"graphs ordered fastest first)")
+            ordered = sorted(graphs, key=lambda k: res[k] + res2[k])
+            say("     " + " ".join(f"{k[0][0]}{k[1]}:{res[k]:.0f}" for k in ordered))
+            for i in range(min(n_al, args.show_allocs)):
+                shape, dt, _ = allocs[ordered[0]][i]
+                say(f"     [{i:3d}] {str(list(shape)):>14s} {dt:>8s} "
+                    + " ".join(f"{allocs[k][i][2]:x}" for k in ordered))
             rows.append(dict(preset=name, T=t, overlap=args.overlap, weight_sets=len(sets),
+                             allocs={f"{k[0]}{k[1]}": allocs[k] for k in graphs},
+                             seq_fast=seq_f, seq_slow=seq_s,
                              us={f"{k[0]}{k[1]}": [res[k], res2[k]] for k in graphs},
                              segments={f"{k[0]}{k[1]}": segs[k] for k in graphs},
                              fastest=f"{fast[0]}{fast[1]}", slowest=f"{slow[0]}{slow[1]}",
