@@ -146,7 +146,15 @@ def shared_overlap_policy(num_tokens: int, num_local_experts: int, top_k: int,
     # Pro-TP8 (I/tp = 384): the overlap is faster or level at every T (T=8 148.0 vs 169.2 in
     # line, T=256 771.0 vs 813.7). So in line where the Flash-shaped routed GEMMs run the
     # 16-row swap body at 0.5-8 routed rows per expert; overlapped elsewhere.
+    # NOTE (session 22, docs/bench/2026-11-30/session22/, H200, layer bench, graphs, rotated
+    # weights, us in line / overlapped, two alternating runs each): the Pro-TP8-shaped layer
+    # (I/tp = 384) at T = 3-4 runs in line faster: T=3 76.8 / 80.7 and 76.8 / 80.9, T=4 87.1 /
+    # 91.0 twice; the overlap stays ahead at T = 1 (53.0 / 49.4), 2 (level, 65.0 / 64.4) and
+    # 5-64 (T=5 112.1 / 100.5, T=16 204.5 / 188.3, T=64 431.7 / 418.0).
     rows = num_tokens * top_k / max(num_local_experts, 1)
+    if intermediate < 2048 and 3 <= num_tokens <= 4:
+        return False, (f"in line: T = {num_tokens} with I = {intermediate} (measured 4-5 % faster than the "
+                       f"side stream on the H200)")
     if intermediate >= 2048 and 0.5 <= rows <= 8:
         return False, (f"in line: {rows:.2f} routed rows per expert with I = {intermediate} (the side "
                        f"stream slowed such layers 4-10 % on the H200)")

@@ -143,7 +143,8 @@ class DeepseekV4MoE(_NativeBuffers):
     results are the same bits either way (independent kernels). True always overlaps,
     False never; "auto" asks `dispatch.shared_overlap_policy` per forward (the overlap
     fills the GPU at decode, where each kernel alone leaves most SMs idle, but slowed the
-    Flash-shaped layers at 0.5-8 routed rows per expert on the H200). `explain(T)` says
+    Flash-shaped layers at 0.5-8 routed rows per expert and Pro-TP8-shaped ones at T = 3-4 on
+    the H200). `explain(T)` says
     which and why.
     """
 

@@ -220,14 +220,19 @@ def test_overlap_shared_option():
 def test_shared_overlap_policy_rule():
     """dispatch.shared_overlap_policy: in line for the Flash-shaped layer (I >= 2048) at
     0.5-8 routed rows per expert (measured 4-10 % faster there on the H200), overlapped
-    at decode, above the band and for Pro-TP8's I/tp = 384 at every T."""
+    at decode, above the band and for Pro-TP8's I/tp = 384 at every T but 3-4 (in line
+    4-5 % faster there, session 22)."""
     from dsv4_moe import dispatch
 
     flash = dict(num_local_experts=256, top_k=6, intermediate=2048)
     pro = dict(num_local_experts=384, top_k=6, intermediate=384)
     assert [dispatch.shared_overlap_policy(t, **flash)[0] for t in (1, 16, 32, 256, 384, 4096)] == \
         [True, True, False, False, True, True]
-    assert all(dispatch.shared_overlap_policy(t, **pro)[0] for t in (1, 16, 64, 256, 1024, 8192))
+    assert all(dispatch.shared_overlap_policy(t, **pro)[0] for t in (1, 2, 5, 16, 64, 256, 1024, 8192))
+    ov, why = dispatch.shared_overlap_policy(4, **pro)  # the one Pro-TP8 band measured faster in line
+    assert not ov and "T = 4 with I = 384" in why
+    assert not dispatch.shared_overlap_policy(3, **pro)[0]
+    assert dispatch.shared_overlap_policy(4, **flash)[0]
     ov, why = dispatch.shared_overlap_policy(64, **flash)
     assert not ov and "1.50 routed rows per expert" in why and "I = 2048" in why
 
