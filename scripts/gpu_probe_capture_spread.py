@@ -70,6 +70,53 @@ class AllocLog:
             setattr(torch, n, f)
 
 
+class Redirect(AllocLog):
+    """Like AllocLog, and the `nth` allocation of every forward (period = allocations per
+    forward) is served as a view of `arena` at byte offset `offset` instead of the pool."""
+
+    def __init__(self, arena, offset, nth, period):
+        super().__init__()
+        self.arena, self.offset, self.nth, self.period = arena, offset, nth, period
+        self.count = 0
+
+    def _wrap(self, f):
+        def inner(*a, **kw):
+            t = f(*a, **kw)
+            if t.is_cuda and torch.cuda.is_current_stream_capturing():
+                if self.count % self.period == self.nth:
+                    nbytes = t.numel() * t.element_size()
+                    t = self.arena[self.offset:self.offset + nbytes].view(t.dtype).view(t.shape)
+                self.count += 1
+                self.log.append((tuple(t.shape), str(t.dtype).replace("torch.", ""), t.data_ptr()))
+            return t
+        return inner
+
+
+def redirect_sweep(sets, x, ids, inner, nths, offsets_mb, reps, say):
+    """Captures into one shared pool, each with one allocation of every forward moved into an
+    arena at a given offset; the graphs' times against the unmoved capture."""
+    with AllocLog() as log:
+        base = capture(sets, x, ids, inner)
+    period = len(log.log) // inner
+    pool = base.pool()
+    arena = torch.empty(int((max(offsets_mb) + 64) * 2**20), dtype=torch.uint8, device="cuda")
+    graphs = {("base", 0): base}
+    for nth in nths:
+        shape, dt, _ = log.log[nth]
+        for o in offsets_mb:
+            with Redirect(arena, int(o * 2**20), nth, period):
+                graphs[(nth, o)] = capture(sets, x, ids, inner, pool=pool)
+    res = graphs_us(graphs, inner, reps)
+    res2 = graphs_us(graphs, inner, reps)
+    say(f"   redirect sweep ({period} allocations per forward; arena at {arena.data_ptr():#x}): base "
+        f"{res[('base', 0)]:.1f}/{res2[('base', 0)]:.1f} us")
+    for nth in nths:
+        shape, dt, addr = log.log[nth]
+        say(f"     allocation {nth} {list(shape)} {dt} (base at {addr:#x}), arena offset MiB: us")
+        say("       " + "  ".join(f"{o:g}:{res[(nth, o)]:.1f}/{res2[(nth, o)]:.1f}" for o in offsets_mb))
+    return {f"{k[0]}@{k[1]}": [res[k], res2[k]] for k in graphs}
+
+
 def kernel_times(g, inner: int, replays: int) -> tuple[dict, float, list]:
     """Per-kernel device time per forward inside graph g (torch.profiler over `replays`
     replays), the mean span from the first kernel's start to the last one's end per replay, and
@@ -107,6 +154,10 @@ def main():
     ap.add_argument("--profile-replays", type=int, default=5)
     ap.add_argument("--tag", default="")
     ap.add_argument("--no-shared", action="store_true", help="private-pool captures only")
+    ap.add_argument("--redirect", default="",
+                    help="comma-separated allocation indices (within a forward, see the allocation list): "
+                         "instead of the spread captures, capture with each moved to --offsets-mb in an arena")
+    ap.add_argument("--offsets-mb", default="0,2,4,6,8,10,12,14,16,18,20,22,24,26,28,30")
     ap.add_argument("--show-allocs", type=int, default=60, help="allocations listed in the text output")
     args = ap.parse_args()
     out = os.environ.get("OUT", "./out")
@@ -131,6 +182,12 @@ def main():
             gen = torch.Generator(device="cuda").manual_seed(t)
             x = torch.randn(t, cfg.hidden_size, device="cuda", generator=gen).bfloat16()
             ids = torch.randint(0, cfg.vocab_size, (t,), device="cuda", generator=gen)
+            if args.redirect:
+                say(f"== {name} T={t} overlap={args.overlap}, {len(sets)} weight sets, {inner} forwards per graph")
+                rows.append(dict(preset=name, T=t, redirect=redirect_sweep(
+                    sets, x, ids, inner, [int(v) for v in args.redirect.split(",")],
+                    [float(v) for v in args.offsets_mb.split(",")], args.reps, say)))
+                continue
             graphs, shared_pool = {}, None
             allocs = {}
             for j in range(args.captures):
