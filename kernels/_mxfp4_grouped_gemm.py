@@ -65,6 +65,33 @@ def _opaque_f32(x):
 
 
 @triton.jit
+def _a_rows(sorted_ids_ptr, pid_m, rows, route, row_ok, R, top_k, A_GATHER: tl.constexpr,
+            BLOCK_M: tl.constexpr, A_PAD: tl.constexpr):
+    """The A row (int64) each GEMM row of block pid_m loads: the route's token (A_GATHER) or
+    the row itself; a padding row (row_ok False) loads A_PAD 0: row 0 of A; 1: the block's
+    first row's (always a route: an expert's rows are packed from its first block row);
+    2: as 1, and the A loads are masked to the routed rows (no request for padding).
+    The padding rows' products are never stored, so all three give the same outputs.
+    NOTE (session 22, H200): with A_PAD 0 every padding row of every program reads token 0's
+    row - at decode 15 of a 16-row block's rows, so thousands of programs hammer the same few
+    L2 lines - and the Flash gate_up at T = 24 ran 270 or 317 us depending only on where that
+    one [T, K] buffer sat in memory (docs/bench/2026-11-30/session22/)."""
+    if A_GATHER:
+        arow = route // top_k
+    else:
+        arow = rows
+    if A_PAD == 0:
+        first = 0
+    else:
+        r0 = tl.load(sorted_ids_ptr + pid_m * BLOCK_M)
+        if A_GATHER:
+            first = tl.where(r0 < R, r0 // top_k, 0)
+        else:
+            first = pid_m * BLOCK_M
+    return tl.where(row_ok, arow, first).to(tl.int64)
+
+
+@triton.jit
 def _mxfp4_grouped_gemm_kernel(
     a_ptr, sa_ptr, w_ptr, sw_ptr, out_ptr,
     sorted_ids_ptr, block_expert_ptr, num_blocks_ptr,
@@ -91,6 +118,7 @@ def _mxfp4_grouped_gemm_kernel(
     A_BF16: tl.constexpr = False,  # activations given as bf16 pairs (as in the swap body; K % 128 == 0)
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
     FOLD_SA: tl.constexpr = False,  # as the swap body's (GemmConfig.fold_sa): one MMA chain over K
+    A_PAD: tl.constexpr = 1,  # the A row a padding row reads (_a_rows; mxfp4_grouped_gemm.A_PAD_ROWS)
 ):
     pdl_enter(PDL)
     pid_m = tl.program_id(0)
@@ -101,11 +129,7 @@ def _mxfp4_grouped_gemm_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     route = tl.load(sorted_ids_ptr + rows)
     row_ok = route < R
-    if A_GATHER:
-        arow = route // top_k
-    else:
-        arow = rows
-    arow = tl.where(row_ok, arow, 0).to(tl.int64)
+    arow = _a_rows(sorted_ids_ptr, pid_m, rows, route, row_ok, R, top_k, A_GATHER, BLOCK_M, A_PAD)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     n_safe = tl.where(n_ok, n, 0).to(tl.int64)
@@ -140,7 +164,10 @@ def _mxfp4_grouped_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in tl.range(0, (K + 127) // 128, num_stages=NUM_STAGES):
         k0 = kb * 128
-        if A_BF16:  # whole blocks (the wrapper checks K % 128 == 0): [64 even | 64 odd] as stored
+        if A_BF16 and A_PAD == 2:
+            a_even = tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0.0)
+            a_odd = tl.load(a_ptrs + k0 + 64, mask=row_ok[:, None], other=0.0)
+        elif A_BF16:  # whole blocks (the wrapper checks K % 128 == 0): [64 even | 64 odd] as stored
             a_even = tl.load(a_ptrs + k0)
             a_odd = tl.load(a_ptrs + k0 + 64)
         elif A_SPLIT and K % 128 == 0:  # whole blocks: no K mask (as in the swap body)
@@ -256,6 +283,7 @@ def _mxfp4_grouped_gemm_swap_kernel(
     FOLD_SA: tl.constexpr = False,  # GemmConfig.fold_sa: the activation scale in the operand
     FOLD_WAIT: tl.constexpr = True,  # folded: wait on each block's MMAs (GemmConfig.fold_order "wait"), else "split"
     N_FASTEST: tl.constexpr = False,  # grid (N blocks, M blocks, splits) instead of (M, N, splits)
+    A_PAD: tl.constexpr = 1,  # the A row a padding row reads (_a_rows; mxfp4_grouped_gemm.A_PAD_ROWS)
 ):
     """Swapped operands: out^T[n, rows] = W[n, k] . A^T[k, rows]. The dequantised weight
     tile is the MMA's first operand (kept in registers on Hopper: no shared-memory round
@@ -283,11 +311,7 @@ def _mxfp4_grouped_gemm_swap_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     route = tl.load(sorted_ids_ptr + rows)
     row_ok = route < R
-    if A_GATHER:
-        arow = route // top_k
-    else:
-        arow = rows
-    arow = tl.where(row_ok, arow, 0).to(tl.int64)
+    arow = _a_rows(sorted_ids_ptr, pid_m, rows, route, row_ok, R, top_k, A_GATHER, BLOCK_M, A_PAD)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     n_safe = tl.where(n_ok, n, 0).to(tl.int64)
@@ -331,8 +355,13 @@ def _mxfp4_grouped_gemm_swap_kernel(
         kb = pid_k * KB_PER + j
         k0 = kb * 128
         if A_BF16 and K_MASKED:
-            a_even = tl.load(a_ptrs + k0, mask=(kb < K // 128) & (kh < 64)[None, :], other=0.0)
-            a_odd = tl.load(a_ptrs + k0 + 64, mask=(kb < K // 128) & (kh < 64)[None, :], other=0.0)
+            a_even = tl.load(a_ptrs + k0, mask=(kb < K // 128) & (kh < 64)[None, :] & (row_ok[:, None] | (A_PAD != 2)),
+                             other=0.0)
+            a_odd = tl.load(a_ptrs + k0 + 64, mask=(kb < K // 128) & (kh < 64)[None, :] & (row_ok[:, None] | (A_PAD != 2)),
+                            other=0.0)
+        elif A_BF16 and A_PAD == 2:
+            a_even = tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0.0)
+            a_odd = tl.load(a_ptrs + k0 + 64, mask=row_ok[:, None], other=0.0)
         elif A_BF16:
             a_even = tl.load(a_ptrs + k0)
             a_odd = tl.load(a_ptrs + k0 + 64)

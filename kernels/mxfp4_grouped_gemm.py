@@ -40,6 +40,11 @@ import torch
 
 from .moe_align import MoeAlignment
 
+# Which A row the padding rows of a block load (the tile and swap bodies' A_PAD): 0 row 0 of A,
+# 1 the block's first (routed) row, 2 as 1 with the loads masked to the routed rows. Padding
+# rows' products are never stored: the same outputs every way (tests/test_kernels_mxfp4_gemm.py).
+A_PAD_ROWS = 1
+
 __all__ = ["GemmConfig", "select_config", "gemv_config", "mxfp4_grouped_gemm"]
 
 
@@ -313,7 +318,7 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
         SOFTWARE_BF16=interpreting(),
         A_SPLIT=cfg.a_split, W_KN=cfg.w_kn, SCALE_BCAST=cfg.scale_bcast, DIAG=cfg.diag,
         ASM=cfg.asm and cfg.scale_bcast and not interpreting(), W_SWZ=swz, W_ENC=enc, A_BF16=cfg.a_bf16,
-        FOLD_SA=cfg.fold_sa, num_warps=cfg.num_warps, **_launch_opts(cfg), **pdl_options(out.device),
+        FOLD_SA=cfg.fold_sa, A_PAD=A_PAD_ROWS, num_warps=cfg.num_warps, **_launch_opts(cfg), **pdl_options(out.device),
     )
     return out
 
@@ -370,7 +375,7 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
         _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, W_SWZ=swz, W_ENC=enc, A_BF16=cfg.a_bf16,
                                               DIAG=cfg.diag, LOOP_UNROLL=cfg.unroll, FOLD_SA=cfg.fold_sa,
                                               FOLD_WAIT=cfg.fold_order == "wait", N_FASTEST=cfg.n_fastest,
-                                              **common)
+                                              A_PAD=A_PAD_ROWS, **common)
     else:
         _mxfp4_gemv_kernel[grid](*args, UNROLL=cfg.unroll, **common)
     if split:

@@ -175,9 +175,16 @@ def main():
             graphs[("auto", "auto")] = capture(sets, x, ids, inner)  # what the policies pick
             for j in range(args.twins):
                 graphs[("twin", j)] = capture(sets, x, ids, inner)
+            ab_same = []
             if ab_vals:
                 each("overlap_shared", ab_ov)
                 base = getattr(ab_mod, ab_attr)
+                with torch.no_grad():
+                    want = sets[0](x, ids)
+                    for v in ab_vals:  # an A/B of the same arithmetic must give the same bits
+                        _set(ab_mod, ab_attr, v)
+                        ab_same.append(torch.equal(sets[0](x, ids).view(torch.int16), want.view(torch.int16)))
+                    _set(ab_mod, ab_attr, base)
                 for j in range(args.ab_captures):  # the values interleaved, each captured ab_captures times
                     for i, v in enumerate(ab_vals):
                         _set(ab_mod, ab_attr, v)
@@ -197,6 +204,7 @@ def main():
             ab_med = [sorted(c)[len(c) // 2] for c in ab_caps]
             ab = (f"; default forward with {ab_attr} = {', '.join(str(v) for v in ab_vals)}: "
                   + " / ".join(f"{m:.1f}" for m in ab_med)
+                  + f" (output bitwise the default's: {' / '.join('yes' if b else 'NO' for b in ab_same)})"
                   + (f" (median of {args.ab_captures} captures each: "
                      + "; ".join(" / ".join(f"{u:.1f}" for u in c) for c in ab_caps) + ")"
                      if args.ab_captures > 1 else "")) if ab_vals else ""
@@ -218,6 +226,7 @@ def main():
                              **{f"graph_{'overlap' if ov else 'inline'}_{m}_us": v for (ov, m), v in res.items()
                                 if ov in (False, True)},
                              **{f"graph_default_{ab_attr}_{v}_us": m for v, m in zip(ab_vals, ab_med)},
+                             **{f"default_{ab_attr}_{v}_same_bits": b for v, b in zip(ab_vals, ab_same)},
                              **{f"graph_default_{ab_attr}_{v}_captures_us": c for v, c in zip(ab_vals, ab_caps)}))
             print("\n".join(lines[-len(table) - 1:]), flush=True)
     with open(os.path.join(out, f"profile_layer{'_' + args.tag if args.tag else ''}.txt"), "w") as f:

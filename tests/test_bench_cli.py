@@ -383,3 +383,23 @@ def test_bench_tables_merge_runs(tmp_path, capsys):
     assert "| 1 | 80.0 |" in out and "| 8192 | 12345.0 |" in out
     with pytest.raises(ValueError, match="different layers"):
         tables.merge([first, _fake_run("layer B", [])])
+
+
+def test_set_option_sets_a_module_constant_and_notes_it(tmp_path, monkeypatch):
+    """--set MODULE.ATTR=VALUE (an A/B switch for module constants) parses VALUE as the
+    constant's type, sets it before the layers run, says so in the notes, and names what is
+    wrong with a bad item."""
+    from dsv4_moe.kernels import mxfp4_grouped_gemm as mg
+
+    monkeypatch.setattr(mg, "A_PAD_ROWS", mg.A_PAD_ROWS)  # restored after the test
+    path = tmp_path / "set.json"
+    assert main(FAST + ["--tokens", "2", "--parts", "layer", "--set",
+                        "dsv4_moe.kernels.mxfp4_grouped_gemm.A_PAD_ROWS=2", "--json", str(path)]) == 0
+    assert mg.A_PAD_ROWS == 2
+    notes = json.loads(path.read_text())["notes"]
+    assert any("A_PAD_ROWS = 2 (default 1)" in n for n in notes), notes
+    for item, match in (("nodot=1", "MODULE.ATTR=VALUE"), ("dsv4_moe.nope.X=1", "does not import"),
+                        ("dsv4_moe.kernels.mxfp4_grouped_gemm.NOPE=1", "no attribute 'NOPE'"),
+                        ("dsv4_moe.kernels.mxfp4_grouped_gemm.A_PAD_ROWS=x", "is of type int: cannot parse 'x'")):
+        with pytest.raises(SystemExit, match=match):
+            main(FAST + ["--set", item])

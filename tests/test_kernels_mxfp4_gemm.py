@@ -960,3 +960,39 @@ def test_n_fastest_rule_and_switch(monkeypatch):
     assert not rx._n_fastest(GemmConfig(64, 128, 4, 3, kind="swap"), 65535 * 64, 256).n_fastest
     monkeypatch.setattr(rx, "N_FASTEST", False)
     assert not any(c.n_fastest for t in (1024, 8192) for c in rx.routed_configs(t * 6, flash))
+
+
+@pytest.mark.parametrize("kind", ["swap", "tile"])
+def test_a_pad_rows_same_bits(monkeypatch, kind):
+    """mxfp4_grouped_gemm.A_PAD_ROWS (session 22): the padding rows of a block load row 0 of A
+    (0), the block's first routed row (1, the default) or nothing (2, masked loads). Padding
+    products are never stored, so the routed rows' bits are the same every way: gathered
+    (gate_up) and permuted (down, K = 384) rows, plain / K-split / folded swap bodies, with
+    blocks of 1-3 routes in 16 rows and no routed row reading token 0."""
+    from dsv4_moe.kernels import mxfp4_grouped_gemm as mg
+
+    g = torch.Generator().manual_seed(11)
+    e, t, k, h, n = 5, 4, 2, 256, 128
+    w, s = _weights(e, n, h, g)
+    q, sa = ref.act_quant(torch.randn(t, h, generator=g).bfloat16())
+    ids = torch.tensor([[1, 3], [0, 4], [1, 2], [3, 4]])
+    a = moe_align(ids.int(), e, 0, 16)
+    rows = a.route_rows.long()
+    wd, sd = _weights(e, n, 384, g)
+    hq, hs = ref.act_quant(torch.randn(a.max_rows, 384, generator=g).bfloat16())
+    cfgs = [GemmConfig(16, 128, 4, 2, kind=kind, a_bf16=True)]
+    if kind == "swap":
+        cfgs += [GemmConfig(16, 128, 4, 2, kind="swap", a_bf16=True, split_k=2),
+                 GemmConfig(16, 128, 4, 2, kind="swap", a_bf16=True, fold_sa=True)]
+    for cfg in cfgs:
+        outs = {}
+        for pad in (0, 1, 2):
+            monkeypatch.setattr(mg, "A_PAD_ROWS", pad)
+            up = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=cfg)
+            down = mxfp4_grouped_gemm(hq, hs, wd, sd, a, gather_a=False, scatter_out=True, config=cfg)
+            outs[pad] = (up[rows], down)
+        want = _per_route_reference(q, sa, w, s, ids, gather=True)
+        _assert_close(outs[1][0], want, f"{cfg} gate_up vs reference")
+        for pad in (0, 2):
+            assert torch.equal(outs[pad][0].view(torch.int16), outs[1][0].view(torch.int16)), (cfg, pad)
+            assert torch.equal(outs[pad][1].view(torch.int16), outs[1][1].view(torch.int16)), (cfg, pad)

@@ -89,6 +89,9 @@ def build_parser(prog: str = "python -m dsv4_moe bench") -> argparse.ArgumentPar
     run.add_argument("--overlap-shared", choices=("auto", "on", "off"), default="auto",
                      help="DeepseekV4MoE overlap_shared of this package's layers: 'auto' (the layer's policy), "
                           "'on' / 'off' force the shared expert onto its side stream / in line (an A/B switch)")
+    run.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                     help="set a module constant before the layers are built (repeatable; an A/B switch, "
+                          "e.g. dsv4_moe.kernels.mxfp4_grouped_gemm.A_PAD_ROWS=0); VALUE takes the constant's type")
     run.add_argument("--ref-max-tokens", type=int, default=4,
                      help="on CUDA the reference path (fp64 loops) is timed only up to this T")
     run.add_argument("--sets", type=int, default=0, help="rotated input sets (0: sized from the L2)")
@@ -232,6 +235,40 @@ def _load(args, device: str):
     return cfg, w
 
 
+def _apply_set(item: str) -> str:
+    """MODULE.ATTR=VALUE: set an existing module constant, VALUE parsed as its current type;
+    returns the note the report carries."""
+    import importlib
+
+    target, sep, value = item.partition("=")
+    mod_name, _, attr = target.rpartition(".")
+    if not sep or not mod_name or not attr:
+        raise ValueError("expected MODULE.ATTR=VALUE")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"module {mod_name!r} does not import ({e})") from None
+    if not hasattr(mod, attr):
+        raise ValueError(f"module {mod_name} has no attribute {attr!r}")
+    old = getattr(mod, attr)
+    if isinstance(old, bool):
+        if value.lower() not in ("0", "1", "true", "false", "on", "off"):
+            raise ValueError(f"{attr} is a bool: expected 0/1/true/false/on/off, got {value!r}")
+        new = value.lower() in ("1", "true", "on")
+    elif isinstance(old, (int, float, str)):
+        try:
+            new = type(old)(value)
+        except ValueError:
+            raise ValueError(f"{attr} is of type {type(old).__name__}: cannot parse {value!r}") from None
+    else:
+        raise ValueError(f"{attr} is of type {type(old).__name__}, not a bool / int / float / str constant")
+    setattr(mod, attr, new)
+    from dsv4_moe.kernels import routed_experts  # its memoised configs read module constants
+
+    routed_experts._routed_configs.cache_clear()
+    return f"--set: {mod_name}.{attr} = {new!r} (default {old!r})"
+
+
 def main(argv: Optional[list[str]] = None, prog: str = "python -m dsv4_moe bench") -> int:
     args = build_parser(prog).parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -243,11 +280,18 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m dsv4_moe bench
     stage_list = _csv(args.stages, ours.STAGES, "stages")
     peer_names = _csv(args.peers, tuple(PEERS), "peers")
     tokens = _tokens(args.tokens)
+    set_notes = []
+    for item in args.set:
+        try:
+            set_notes.append(_apply_set(item))
+        except ValueError as e:
+            raise SystemExit(f"{prog}: --set {item!r}: {e}") from None
     torch.manual_seed(args.seed)
     from . import sweep
 
     b = _Bench(args, device)
     b.reps = args.reps or (15 if device == "cuda" else 5)
+    b.notes.extend(set_notes)
     try:
         full_cfg, full_w = _load(args, device)
     except ValueError as e:  # bad split / layer for this config: a usage error, not a crash
