@@ -223,8 +223,8 @@ def main():
             rows.append(dict(preset=name, T=t, pdl=dispatch.has_pdl(layer.device)[1], kernel_sum_us=ksum, kernels=table,
                              weight_sets=len(sets), graph_auto_us=res[("auto", "auto")], graph_auto_captures_us=caps,
                              auto_pick=dict(overlap=pick[0], pdl=pick[1]),
-                             **{f"graph_{'overlap' if ov else 'inline'}_{m}_us": v for (ov, m), v in res.items()
-                                if ov in (False, True)},
+                             **{f"graph_{'overlap' if k[0] else 'inline'}_{k[1]}_us": v for k, v in res.items()
+                                if k[0] in (False, True)},  # ("ab", i, j) keys have three members
                              **{f"graph_default_{ab_attr}_{v}_us": m for v, m in zip(ab_vals, ab_med)},
                              **{f"default_{ab_attr}_{v}_same_bits": b for v, b in zip(ab_vals, ab_same)},
                              **{f"graph_default_{ab_attr}_{v}_captures_us": c for v, c in zip(ab_vals, ab_caps)}))
