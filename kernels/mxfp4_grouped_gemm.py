@@ -40,10 +40,18 @@ import torch
 
 from .moe_align import MoeAlignment
 
-# Which A row the padding rows of a block load (the tile and swap bodies' A_PAD): 0 row 0 of A,
-# 1 the block's first (routed) row, 2 as 1 with the loads masked to the routed rows. Padding
-# rows' products are never stored: the same outputs every way (tests/test_kernels_mxfp4_gemm.py).
-A_PAD_ROWS = 1
+# Which A row the padding rows of a block load (the tile and swap bodies' A_PAD): 0 row 0 of A
+# (before session 22), 1 the block's first (routed) row, 2 as 1 with the loads masked to the
+# routed rows (no request at all for padding). Padding rows' products are never stored: the
+# same outputs every way (tests/test_kernels_mxfp4_gemm.py; on the H200 the whole layer's, at
+# T = 24 / 32 both presets). NOTE (session 22, H200, layer bench, graphs, rotated weights, us
+# for 0 / 1 / 2; docs/bench/2026-11-30/session22/): Flash T=4 163.4 / 152.3 / 146.6, T=16
+# 404.9 / 365.2 / 360.4, T=24 530.7 / 490.7 / 469.1, T=64 898.1 / 877.3 / 839.7; Pro-TP8 T=16
+# 190.0 / 175.5 / 174.4, T=32 308.1 / 291.9 / 290.5; T = 1 level (every row is token 0 there).
+# With 0, every padding row of every program read token 0's row: thousands of programs on the
+# same few L2 lines, and the speed hung on where that buffer sat in memory (two captures of
+# one forward 8-11 % apart, gpu_probe_capture_spread.py).
+A_PAD_ROWS = 2
 
 __all__ = ["GemmConfig", "select_config", "gemv_config", "mxfp4_grouped_gemm"]
 

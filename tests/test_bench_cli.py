@@ -394,10 +394,10 @@ def test_set_option_sets_a_module_constant_and_notes_it(tmp_path, monkeypatch):
     monkeypatch.setattr(mg, "A_PAD_ROWS", mg.A_PAD_ROWS)  # restored after the test
     path = tmp_path / "set.json"
     assert main(FAST + ["--tokens", "2", "--parts", "layer", "--set",
-                        "dsv4_moe.kernels.mxfp4_grouped_gemm.A_PAD_ROWS=2", "--json", str(path)]) == 0
-    assert mg.A_PAD_ROWS == 2
+                        "dsv4_moe.kernels.mxfp4_grouped_gemm.A_PAD_ROWS=0", "--json", str(path)]) == 0
+    assert mg.A_PAD_ROWS == 0
     notes = json.loads(path.read_text())["notes"]
-    assert any("A_PAD_ROWS = 2 (default 1)" in n for n in notes), notes
+    assert any("A_PAD_ROWS = 0 (default 2)" in n for n in notes), notes
     for item, match in (("nodot=1", "MODULE.ATTR=VALUE"), ("dsv4_moe.nope.X=1", "does not import"),
                         ("dsv4_moe.kernels.mxfp4_grouped_gemm.NOPE=1", "no attribute 'NOPE'"),
                         ("dsv4_moe.kernels.mxfp4_grouped_gemm.A_PAD_ROWS=x", "is of type int: cannot parse 'x'")):

@@ -965,7 +965,7 @@ def test_n_fastest_rule_and_switch(monkeypatch):
 @pytest.mark.parametrize("kind", ["swap", "tile"])
 def test_a_pad_rows_same_bits(monkeypatch, kind):
     """mxfp4_grouped_gemm.A_PAD_ROWS (session 22): the padding rows of a block load row 0 of A
-    (0), the block's first routed row (1, the default) or nothing (2, masked loads). Padding
+    (0, before), the block's first routed row (1) or nothing (2, masked loads; the default). Padding
     products are never stored, so the routed rows' bits are the same every way: gathered
     (gate_up) and permuted (down, K = 384) rows, plain / K-split / folded swap bodies, with
     blocks of 1-3 routes in 16 rows and no routed row reading token 0."""
