@@ -18,6 +18,15 @@ graph replays within ~1 % (`gpu_profile_layer.py --twins`). Per preset and T thi
    each) and prints the kernels whose time differs most - which kernel is slow in the slow
    capture.
 
+`--redirect I,J --offsets-mb ...` instead moves allocation I (then J) of every forward (the
+index in the allocation list) into an arena at each offset, the rest captured into one shared
+pool: which buffer's placement sets the speed.
+
+What it found on the H200 (session 22, docs/bench/2026-11-30/session22/): at Flash T = 24 the
+captures sharing a pool share a speed, the whole difference is the routed gate_up GEMM (270 vs
+317 us), and only the placement of its [T, K] activation operand moves it - every padding row of
+every program loaded token 0's row (fixed: mxfp4_grouped_gemm.A_PAD_ROWS).
+
 Writes $OUT/probe_capture_spread[_TAG].txt and .json.
 """
 from __future__ import annotations

@@ -20,8 +20,11 @@ same forward run at one of two speeds, 4-11 % apart at some T (Pro-TP8 T=32 284.
 Flash T=24 516.8-561.1) and within 1.5 % at others (Pro-TP8 T=8, 24, 48). So an A/B here needs
 its variants captured several times before a difference below ~10 % means anything.
     python3 scripts/gpu_profile_layer.py --presets pro-tp8,flash --tokens 8,24,32,48 --weight-sets 4 --no-kernels --twins 4
-`--ab-captures N` captures each --ab value N times (interleaved) and reports the median (not
-yet run on the H200 in this form; session 21's --ab rows are single captures).
+`--ab-captures N` captures each --ab value N times (interleaved) and reports the median
+(session 21's --ab rows are single captures); an --ab run also checks each value's eager
+output bitwise against the default's (a module-constant A/B of the same arithmetic must keep
+the bits). Session 22 found the main cause of the spread (mxfp4_grouped_gemm.A_PAD_ROWS); a
+~3 % spread remains at Flash T = 24.
 """
 from __future__ import annotations
 
