@@ -52,6 +52,9 @@ from .moe_align import MoeAlignment
 # same few L2 lines, and the speed hung on where that buffer sat in memory (two captures of
 # one forward 8-11 % apart, gpu_probe_capture_spread.py).
 A_PAD_ROWS = 2
+# Exact split-K ways of the decode (< 0.05 rows per expert) swap GEMMs with 2048 <= K < 4096
+# (the Flash-shaped down; K >= 4096 splits 4 ways, K >= 6144 8 ways, see _select_mma64).
+SHORT_K_DECODE_SPLIT = 1
 
 __all__ = ["GemmConfig", "select_config", "gemv_config", "mxfp4_grouped_gemm"]
 
@@ -203,6 +206,8 @@ def _select_mma64(rows: float, k: int) -> GemmConfig:
             split = 8
         elif rows < 0.05 and k >= 4096:
             split = 4
+        elif rows < 0.05 and k >= 2048:
+            split = SHORT_K_DECODE_SPLIT
         else:
             split = 1
         return GemmConfig(16, 128, 4, 4, kind="swap", asm=True, split_k=split)

@@ -156,6 +156,9 @@ PRO_SWAP32_MIN_ROWS = 16.0
 # inside the spread between captures of one forward (up to 11 %). Both stay as they were.
 PRO_UP16_CAP_MAX_ROWS = float("inf")
 PRO_DOWN16_MAXNREG = 128
+# Rows per local expert from which the Flash-shaped (I >= 2048) 16-row gate_up on bf16 pairs
+# takes a 128-register cap (see _base_configs; an A/B switch).
+FLASH_UP16_CAP_MIN_ROWS = 0.2
 
 
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
@@ -329,7 +332,7 @@ def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str,
         # 428106e.txt, medians, us) T=16 270.7 -> 266.4, T=64 657.0 -> 637.5, T=256 868.4
         # -> 840.6 (136 registers: slower); at T=4 98.5 vs 95.6 and on Pro-TP8 gate_up
         # (113.0 vs 108.6 at T=16) slower (probe_swz_pairs_variants_269c2f5.txt).
-        if i >= 2048 and rows >= 0.2 and up.block_m == 16:
+        if i >= 2048 and rows >= FLASH_UP16_CAP_MIN_ROWS and up.block_m == 16:
             up = dataclasses.replace(up, maxnreg=128)
     if down.kind == "swap" and down.split_k == 1 and mma64 and i >= 2048 and i % 128 == 0 and rows >= 0.2:
         down = dataclasses.replace(down, a_bf16=True, unroll=2 if down.block_m == 32 else 1)
