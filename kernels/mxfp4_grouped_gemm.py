@@ -52,9 +52,14 @@ from .moe_align import MoeAlignment
 # same few L2 lines, and the speed hung on where that buffer sat in memory (two captures of
 # one forward 8-11 % apart, gpu_probe_capture_spread.py).
 A_PAD_ROWS = 2
-# Exact split-K ways of the decode (< 0.05 rows per expert) swap GEMMs with 2048 <= K < 4096
-# (the Flash-shaped down; K >= 4096 splits 4 ways, K >= 6144 8 ways, see _select_mma64).
-SHORT_K_DECODE_SPLIT = 1
+# Exact split-K ways of the decode swap GEMMs with 2048 <= K < 4096 (the Flash-shaped down)
+# below SHORT_K_DECODE_SPLIT_MAX_ROWS rows per expert (K >= 4096 splits 4 ways below 0.05 rows,
+# K >= 6144 8 ways below 0.1; see _select_mma64). A/B switches (bench --set).
+# NOTE (session 23, H200, layer bench, graphs, rotated weights, two alternating runs each,
+# docs/bench/2026-11-30/session23/, us, unsplit -> 2 ways): Flash T=1 71.6 / 72.2 -> 69.7 /
+# 70.0; T=2 (0.047 rows) 105.1 / 105.6 -> 106.9 / 106.5, so the split stops below T = 2.
+SHORT_K_DECODE_SPLIT = 2
+SHORT_K_DECODE_SPLIT_MAX_ROWS = 0.03
 
 __all__ = ["GemmConfig", "select_config", "gemv_config", "mxfp4_grouped_gemm"]
 
@@ -202,11 +207,12 @@ def _select_mma64(rows: float, k: int) -> GemmConfig:
         # NOTE: with the unrolled reduce (1c65fa3, probe_swz_decode_splitk_1c65fa3.txt):
         # Flash gate_up T=1 43.7 -> 39.9 us split 4 ways (T=4 131 vs 110 unsplit: no);
         # Pro-TP8 gate_up T=1 43.7 -> 19.9 split 8 (T=4 67.0 -> 48.8); K = 2048 / 384: level
+        # then; K = 2048 split 2 ways at T = 1 since session 23 (see SHORT_K_DECODE_SPLIT)
         if rows < 0.1 and k >= 6144:
             split = 8
         elif rows < 0.05 and k >= 4096:
             split = 4
-        elif rows < 0.05 and k >= 2048:
+        elif rows < SHORT_K_DECODE_SPLIT_MAX_ROWS and k >= 2048:
             split = SHORT_K_DECODE_SPLIT
         else:
             split = 1

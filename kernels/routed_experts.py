@@ -157,8 +157,16 @@ PRO_SWAP32_MIN_ROWS = 16.0
 PRO_UP16_CAP_MAX_ROWS = float("inf")
 PRO_DOWN16_MAXNREG = 128
 # Rows per local expert from which the Flash-shaped (I >= 2048) 16-row gate_up on bf16 pairs
-# takes a 128-register cap (see _base_configs; an A/B switch).
-FLASH_UP16_CAP_MIN_ROWS = 0.2
+# takes a 128-register cap (see _base_configs; an A/B switch). NOTE (session 23, H200, layer
+# bench, graphs, rotated weights, two alternating runs each, docs/bench/2026-11-30/session23/,
+# us, from 0.2 -> from 0.05 rows): Flash T=3 127.5 / 127.6 -> 127.1 / 127.8, T=4 146.1 /
+# 145.9 -> 143.2 / 144.0, T=6 198.1 / 198.9 -> 193.9 / 193.4, T=8 237.7 / 239.3 -> 231.6 /
+# 232.8; same bits. (Session 6 had measured the cap slower at T = 4, before the A_PAD_ROWS
+# fix of session 22 and the "mma64e" weights.)
+FLASH_UP16_CAP_MIN_ROWS = 0.05
+# ... and from which the Flash-shaped (I >= 2048) 16-row down takes one (inf: never; an A/B
+# switch, session 23).
+FLASH_DOWN16_CAP_MIN_ROWS = float("inf")
 
 
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
@@ -331,11 +339,15 @@ def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str,
         # rows per expert, 16-row blocks: three interleaved H200 runs (probe_swz_cap_ab*_
         # 428106e.txt, medians, us) T=16 270.7 -> 266.4, T=64 657.0 -> 637.5, T=256 868.4
         # -> 840.6 (136 registers: slower); at T=4 98.5 vs 95.6 and on Pro-TP8 gate_up
-        # (113.0 vs 108.6 at T=16) slower (probe_swz_pairs_variants_269c2f5.txt).
+        # (113.0 vs 108.6 at T=16) slower (probe_swz_pairs_variants_269c2f5.txt). Session 23:
+        # from 0.05 rows (T >= 3), see FLASH_UP16_CAP_MIN_ROWS.
         if i >= 2048 and rows >= FLASH_UP16_CAP_MIN_ROWS and up.block_m == 16:
             up = dataclasses.replace(up, maxnreg=128)
     if down.kind == "swap" and down.split_k == 1 and mma64 and i >= 2048 and i % 128 == 0 and rows >= 0.2:
         down = dataclasses.replace(down, a_bf16=True, unroll=2 if down.block_m == 32 else 1)
+    if (down.kind == "swap" and down.block_m == 16 and down.split_k == 1 and mma64 and i >= 2048
+            and rows >= FLASH_DOWN16_CAP_MIN_ROWS):
+        down = dataclasses.replace(down, maxnreg=128)
     # NOTE: the short-K down GEMM (Pro-TP8: K = I/tp = 384, three 128-blocks) on the swap
     # body: the K loop unrolled twice (fewer pipeline barriers per block) and, for 16-row
     # blocks from 0.05 routes per expert, a 128-register cap (147 -> 128 registers, 3 -> 4

@@ -528,7 +528,9 @@ def test_mma64_guards_and_select_config():
     # decode: the swap body (the GEMV reads only "nk"); long K at tiny T splits 8 ways
     c = select_config(6, 256, 4096, 4096, "mma64")
     assert (c.kind, c.block_m, c.split_k) == ("swap", 16, 4)      # Flash gate_up T=1: 4-way split
-    assert select_config(6, 256, 4096, 2048, "mma64").split_k == 1  # down: short K
+    assert select_config(6, 256, 4096, 2048, "mma64").split_k == 2   # Flash down T=1: 2-way split
+    assert select_config(12, 256, 4096, 2048, "mma64").split_k == 1  # ... not at T=2
+    assert select_config(6, 384, 7168, 384, "mma64").split_k == 1    # Pro-TP8 down: K = 384
     assert select_config(24, 256, 4096, 4096, "mma64").split_k == 1  # T=4: unsplit
     assert select_config(6, 384, 768, 7168, "mma64").split_k == 8
     assert select_config(1024 * 6, 256, 4096, 4096, "mma64").block_m == 32
@@ -598,8 +600,10 @@ def test_mma64_guards_and_select_config():
         assert (up.kind, up.num_stages, up.maxnreg, down.kind, down.num_stages) == ("tile", 2, 168, "tile", 3), (up, down)
         up, down = _routed_configs(8192 * 6, 384, 384, 7168, "mma64", fold, fold_swap)
         assert (up.kind, down.kind, down.a_bf16) == ("tile", "tile", False), (up, down)
-    # a 128-register cap on Flash's gate_up on pairs, 16-row blocks from 0.2 rows per expert
-    assert [routed_configs(t * 6, flash)[0].maxnreg for t in (4, 16, 256, 1024)] == [None, 128, 128, None]
+    # a 128-register cap on Flash's gate_up on pairs, 16-row blocks from 0.05 rows per expert
+    # (0.2 before session 23); not on the split-K gate_up of T <= 2
+    assert [routed_configs(t * 6, flash)[0].maxnreg for t in (1, 2, 3, 4, 16, 256, 1024)] == \
+        [None, None, 128, 128, 128, 128, None]
     assert routed_configs(16 * 6, pro_tp8)[0].maxnreg is None
     nk = dataclasses.replace(pro_tp8, layout="nk")  # "nk" decodes on the tile/GEMV bodies: no pairs
     assert not any(routed_configs(t * 6, nk)[0].a_bf16 for t in (16, 256, 1024))
