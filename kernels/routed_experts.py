@@ -164,9 +164,15 @@ PRO_DOWN16_MAXNREG = 128
 # 232.8; same bits. (Session 6 had measured the cap slower at T = 4, before the A_PAD_ROWS
 # fix of session 22 and the "mma64e" weights.)
 FLASH_UP16_CAP_MIN_ROWS = 0.05
-# ... and from which the Flash-shaped (I >= 2048) 16-row down takes one (inf: never; an A/B
-# switch, session 23).
-FLASH_DOWN16_CAP_MIN_ROWS = float("inf")
+# ... and from which the Flash-shaped (I >= 2048) 16-row down takes one. NOTE (session 23,
+# H200, layer bench as above, us, no cap -> from 0.2 rows): Flash T=16 360.9 / 356.2 -> 353.3
+# / 351.9, T=24 461.5 / 463.0 -> 457.9 / 458.3, T=32 571.5 / 572.0 -> 568.2 / 564.8, T=64
+# 806.6 / 811.0 -> 806.2 / 810.0, T=128 1019.0 / 1014.4 -> 1007.4 / 997.9, T=256 1126.1 /
+# 1119.2 -> 1119.8 / 1125.8; same bits (136 -> 128 registers: 4 programs per SM, no stack).
+FLASH_DOWN16_CAP_MIN_ROWS = 0.2
+# Rows per local expert from which the Flash-shaped (I >= 2048) down takes its activations as
+# bf16 pairs (swiglu_quant writes them; an A/B switch, session 23; see _base_configs).
+FLASH_DOWN_PAIRS_MIN_ROWS = 0.2
 
 
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
@@ -343,7 +349,8 @@ def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str,
         # from 0.05 rows (T >= 3), see FLASH_UP16_CAP_MIN_ROWS.
         if i >= 2048 and rows >= FLASH_UP16_CAP_MIN_ROWS and up.block_m == 16:
             up = dataclasses.replace(up, maxnreg=128)
-    if down.kind == "swap" and down.split_k == 1 and mma64 and i >= 2048 and i % 128 == 0 and rows >= 0.2:
+    if (down.kind == "swap" and down.split_k == 1 and mma64 and i >= 2048 and i % 128 == 0
+            and rows >= FLASH_DOWN_PAIRS_MIN_ROWS):
         down = dataclasses.replace(down, a_bf16=True, unroll=2 if down.block_m == 32 else 1)
     if (down.kind == "swap" and down.block_m == 16 and down.split_k == 1 and mma64 and i >= 2048
             and rows >= FLASH_DOWN16_CAP_MIN_ROWS):
