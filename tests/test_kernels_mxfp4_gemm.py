@@ -574,12 +574,15 @@ def test_mma64_guards_and_select_config():
     assert routed_configs(2559 * 6, pro_tp8)[0].block_m == 32
     flash = RoutedExpertWeights(shape(256, 4096, 2048), shape(256, 4096, 128), shape(256, 4096, 1024),
                                 shape(256, 4096, 64), first_expert=0, num_experts=256, layout="mma64")
-    for t in (1, 16, 256):  # long-K down (K = 2048): no cap, no unroll on 16-row blocks
+    for t, cap in ((1, None), (2, None), (16, 128), (256, 128)):
+        # long-K down (K = 2048) on 16-row blocks: no unroll; a 128-register cap from 0.2 rows
+        # per expert (session 23), not on the split-K down of T = 1
         down = routed_configs(t * 6, flash)[1]
-        assert down.unroll == 1 and down.maxnreg is None, (t, down)
-    # long-K down on bf16 pairs (written by swiglu_quant) from 0.2 rows per expert, the
-    # 32-row blocks of T = 1024 unrolled twice; gate_up from 0.05 (T = 4), not split-K T = 1
-    assert [routed_configs(t * 6, flash)[1].a_bf16 for t in (1, 4, 16, 256, 1024)] == [False, False, True, True, True]
+        assert down.unroll == 1 and down.maxnreg == cap, (t, down)
+    # long-K down on bf16 pairs (written by swiglu_quant) from 0.05 rows per expert (0.2 before
+    # session 23), not the split-K down of T = 1; gate_up from 0.05 (T = 3), not split-K T <= 2
+    assert [routed_configs(t * 6, flash)[1].a_bf16 for t in (1, 2, 3, 4, 16, 256, 1024)] == \
+        [False, False, True, True, True, True, True]
     assert [routed_configs(t * 6, flash)[0].a_bf16 for t in (1, 4, 16, 1024)] == [False, True, True, True]
     # the Flash 32-row down: unrolled twice per-block, rolled when folded (the default since session 17)
     assert routed_configs(1024 * 6, flash)[1].unroll == 1 and routed_configs(1024 * 6, flash)[1].block_m == 32
