@@ -171,12 +171,14 @@ FLASH_UP16_CAP_MIN_ROWS = 0.05
 # 1119.2 -> 1119.8 / 1125.8; same bits (136 -> 128 registers: 4 programs per SM, no stack).
 FLASH_DOWN16_CAP_MIN_ROWS = 0.2
 # Rows per local expert from which the Flash-shaped (I >= 2048) down takes its activations as
-# bf16 pairs (swiglu_quant writes them; see _base_configs). NOTE (session 23, H200, layer
-# bench as above, us, from 0.2 -> from 0.05 rows): Flash T=3 127.4 / 126.8 -> 121.7 / 122.9,
-# T=4 143.1 / 143.6 -> 137.5 / 138.3 (2.51 / 2.49 TB/s), T=6 195.6 / 195.1 -> 188.0 / 188.1,
-# T=8 231.6 / 233.0 -> 223.7 / 224.3; same bits. (Session 11 had it level at T = 4, on the
-# "mma64" weights, before the A_PAD_ROWS fix.)
-FLASH_DOWN_PAIRS_MIN_ROWS = 0.05
+# bf16 pairs (swiglu_quant writes them; see _base_configs; the split-K down of T = 1 keeps
+# fp8). NOTE (session 23, H200, layer bench as above, us, from 0.2 -> from 0.05 rows): Flash
+# T=3 127.4 / 126.8 -> 121.7 / 122.9, T=4 143.1 / 143.6 -> 137.5 / 138.3 (2.51 / 2.49 TB/s),
+# T=6 195.6 / 195.1 -> 188.0 / 188.1, T=8 231.6 / 233.0 -> 223.7 / 224.3; then from 0.05 ->
+# from 0 (T = 2, 0.047 rows): 105.7 / 105.1 -> 99.7 / 100.3. T = 1 unsplit on pairs 70.0 /
+# 69.9 against the 2-way split on fp8 70.0 / 69.8: level, the split stays. Same bits
+# everywhere. (Session 11 had pairs level at T = 4, on "mma64", before the A_PAD_ROWS fix.)
+FLASH_DOWN_PAIRS_MIN_ROWS = 0.0
 
 
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:

@@ -579,10 +579,10 @@ def test_mma64_guards_and_select_config():
         # per expert (session 23), not on the split-K down of T = 1
         down = routed_configs(t * 6, flash)[1]
         assert down.unroll == 1 and down.maxnreg == cap, (t, down)
-    # long-K down on bf16 pairs (written by swiglu_quant) from 0.05 rows per expert (0.2 before
-    # session 23), not the split-K down of T = 1; gate_up from 0.05 (T = 3), not split-K T <= 2
+    # long-K down on bf16 pairs (written by swiglu_quant) at every T (from 0.2 rows per expert
+    # before session 23) but the split-K down of T = 1; gate_up from 0.05 (T = 3), not split-K T <= 2
     assert [routed_configs(t * 6, flash)[1].a_bf16 for t in (1, 2, 3, 4, 16, 256, 1024)] == \
-        [False, False, True, True, True, True, True]
+        [False, True, True, True, True, True, True]
     assert [routed_configs(t * 6, flash)[0].a_bf16 for t in (1, 4, 16, 1024)] == [False, True, True, True]
     # the Flash 32-row down: unrolled twice per-block, rolled when folded (the default since session 17)
     assert routed_configs(1024 * 6, flash)[1].unroll == 1 and routed_configs(1024 * 6, flash)[1].block_m == 32
