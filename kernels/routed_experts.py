@@ -156,6 +156,10 @@ PRO_SWAP32_MIN_ROWS = 16.0
 # inside the spread between captures of one forward (up to 11 %). Both stay as they were.
 PRO_UP16_CAP_MAX_ROWS = float("inf")
 PRO_DOWN16_MAXNREG = 128
+# Rows per local expert from which the Pro-shaped (I <= 1024) short-K down on 16-row blocks takes
+# its activations as bf16 pairs (inf: fp8, as session 11 measured level; an A/B switch left by
+# session 23 for the H200: Flash's long-K down gained 1.04-1.05x from pairs at T = 2-8 there).
+PRO_DOWN_PAIRS_MIN_ROWS = float("inf")
 # Rows per local expert from which the Flash-shaped (I >= 2048) 16-row gate_up on bf16 pairs
 # takes a 128-register cap (see _base_configs; an A/B switch). NOTE (session 23, H200, layer
 # bench, graphs, rotated weights, two alternating runs each, docs/bench/2026-11-30/session23/,
@@ -374,7 +378,8 @@ def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str,
     # T=16 80.6 -> 78.5, T=64 206.9 -> 195.6, T=256 314.2 -> 303.2; every gate_up level or
     # slower.
     if down.kind == "swap" and mma64 and i <= 1024:
-        down = dataclasses.replace(down, unroll=2,
+        pairs = down.a_bf16 or (down.split_k == 1 and i % 128 == 0 and rows >= PRO_DOWN_PAIRS_MIN_ROWS)
+        down = dataclasses.replace(down, unroll=2, a_bf16=pairs,
                                    maxnreg=128 if rows >= 0.05 and down.block_m == 16 else None)
     return up, down
 

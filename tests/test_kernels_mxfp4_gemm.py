@@ -1003,3 +1003,30 @@ def test_a_pad_rows_same_bits(monkeypatch, kind):
         for pad in (0, 2):
             assert torch.equal(outs[pad][0].view(torch.int16), outs[1][0].view(torch.int16)), (cfg, pad)
             assert torch.equal(outs[pad][1].view(torch.int16), outs[1][1].view(torch.int16)), (cfg, pad)
+
+
+@pytest.mark.parametrize("name, value, check", [
+    # session 23's A/B switches (bench --set): each moves only the configs it names
+    ("FLASH_DOWN_PAIRS_MIN_ROWS", float("inf"), lambda fl, pro: not fl(4)[1].a_bf16 and not fl(16)[1].a_bf16),
+    ("FLASH_DOWN16_CAP_MIN_ROWS", float("inf"), lambda fl, pro: fl(16)[1].maxnreg is None),
+    ("FLASH_UP16_CAP_MIN_ROWS", 0.2, lambda fl, pro: fl(4)[0].maxnreg is None and fl(16)[0].maxnreg == 128),
+    ("PRO_DOWN_PAIRS_MIN_ROWS", 0.0, lambda fl, pro: pro(1)[1].a_bf16 and pro(16)[1].a_bf16
+                                                     and pro(16)[1].maxnreg == 128 and pro(16)[1].unroll == 2),
+])
+def test_session23_config_switches(monkeypatch, name, value, check):
+    import dsv4_moe.kernels.routed_experts as rx
+
+    def cfgs(e, i, h):
+        return lambda t: rx._routed_configs(t * 6, e, i, h, "mma64e", True, True, True)
+    fl, pro = cfgs(256, 2048, 4096), cfgs(384, 384, 7168)
+    # the defaults: Flash down on pairs from T = 2, both Flash 16-row caps, Pro-TP8 down on fp8
+    rx._routed_configs.cache_clear()
+    assert fl(4)[1].a_bf16 and fl(16)[1].maxnreg == 128 and fl(4)[0].maxnreg == 128
+    assert not pro(16)[1].a_bf16
+    monkeypatch.setattr(rx, name, value)
+    rx._routed_configs.cache_clear()
+    try:
+        assert check(fl, pro), name
+    finally:
+        monkeypatch.undo()
+        rx._routed_configs.cache_clear()
