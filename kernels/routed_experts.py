@@ -270,7 +270,8 @@ def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str,
     #   down, K = I >= 2048 from 0.2 routes per expert: Flash T=16 160.5 -> 138.3, T=64
     #     379.1 -> 329.4, T=256 482.5 -> 416.3, T=1024 743.3 -> 611.4 (32 rows, unrolled
     #     twice; 658.8 not); not at T=4 (51.9 -> 52.3) and not the short-K Pro-TP8 down
-    #     at T <= 256 (fp8 with the cap below: level)
+    #     at T <= 256 (fp8 with the cap below: level). Session 23 (layer bench, A_PAD 2,
+    #     "mma64e"): the down gains from T = 2 (FLASH_DOWN_PAIRS_MIN_ROWS)
     #   Pro-TP8 (K = I/tp <= 1024) in the 32-row band, both GEMMs on pairs, the down K loop
     #     unrolled twice (probe_swz_pairs_pro_band_4a115bc.txt): below 24 rows per expert
     #     16-row blocks (T=512: gate_up 661.8 -> 411.9, down 551.0 -> 306.5; T=1024: 644.5
