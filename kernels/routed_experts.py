@@ -157,9 +157,14 @@ PRO_SWAP32_MIN_ROWS = 16.0
 PRO_UP16_CAP_MAX_ROWS = float("inf")
 PRO_DOWN16_MAXNREG = 128
 # Rows per local expert from which the Pro-shaped (I <= 1024) short-K down on 16-row blocks takes
-# its activations as bf16 pairs (inf: fp8, as session 11 measured level; an A/B switch left by
-# session 23 for the H200: Flash's long-K down gained 1.04-1.05x from pairs at T = 2-8 there).
-PRO_DOWN_PAIRS_MIN_ROWS = float("inf")
+# its activations as bf16 pairs (swiglu_quant writes them; same bits as fp8). NOTE (session 24,
+# H200, layer bench, graphs, rotated weights, two alternating runs each, docs/bench/2026-11-30/
+# session24/, us, fp8 (inf) -> pairs from 0 rows): Pro-TP8 T=1 49.1 / 49.3 -> 50.0 / 50.0, T=4
+# 86.1 / 86.3 -> 85.7 / 85.8, T=8 139.2 / 140.8 -> 137.9 / 137.4, T=16 173.4 / 173.9 -> 169.3
+# / 169.3, T=32 289.1 / 291.2 -> 283.8 / 283.9, T=64 405.6 / 406.0 -> 396.4 / 397.3, T=256
+# 635.1 / 638.1 -> 622.9 / 624.3; so pairs from 0.05 rows (T >= 4). (Session 11 had them level,
+# on "mma64", before the A_PAD_ROWS fix of session 22.)
+PRO_DOWN_PAIRS_MIN_ROWS = 0.05
 # Rows per local expert from which the Flash-shaped (I >= 2048) 16-row gate_up on bf16 pairs
 # takes a 128-register cap (see _base_configs; an A/B switch). NOTE (session 23, H200, layer
 # bench, graphs, rotated weights, two alternating runs each, docs/bench/2026-11-30/session23/,

@@ -107,7 +107,8 @@ def _parse_variant(spec: str) -> tuple[str, dict]:
         if not eq or key not in known:
             raise SystemExit(f"--enc-variants: bad item {item!r} in {spec!r}; expected field=value with a "
                              f"GemmConfig field ({sorted(known)})")
-        fields[key] = None if val == "None" else int(val) if val.lstrip("-").isdigit() else val
+        consts = {"None": None, "True": True, "False": False}
+        fields[key] = consts[val] if val in consts else int(val) if val.lstrip("-").isdigit() else val
     if not tag or not fields:
         raise SystemExit(f"--enc-variants: bad variant {spec!r}; expected TAG:field=value[,field=value]")
     return tag, fields
@@ -119,7 +120,8 @@ def main():
     ap.add_argument("--presets", default="flash,pro-tp8")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--only", default="", help="comma-separated candidate names (default: all)")
+    ap.add_argument("--only", default="", help="comma-separated candidate names (default: all; 'none': no "
+                                                "candidate, only the layer config and --enc / --enc-variants)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds (min and median reported)")
     ap.add_argument("--enc", action="store_true",
                     help="add 'layer mma64e': the layer config on the re-encoded weights (weights/mma_layout.py "
@@ -128,7 +130,7 @@ def main():
     ap.add_argument("--enc-variants", default="",
                     help="';'-separated TAG:field=value[,field=value] - the layer config with these GemmConfig "
                          "fields replaced, run on the 'mma64e' weights as 'e TAG' (e.g. 'r128:maxnreg=128;"
-                         "u1:unroll=1'); values: int, None, or a string")
+                         "u1:unroll=1'); values: int, None, True, False or a string")
     ap.add_argument("--layer-twins", action="store_true",
                     help="add 'layer again' (the layer config timed twice: the noise floor) and 'layer nf' "
                          "(the layer config with GemmConfig.n_fastest flipped, swap configs only)")
@@ -173,7 +175,9 @@ def main():
                 variants = {f"layer ({layer_cfg.kind} {layer_cfg.block_m}{' nf' if layer_cfg.n_fastest else ''})":
                             fold_config(layer_cfg, k)}
                 only = [v.strip() for v in args.only.split(",") if v.strip()]
-                unknown = [v for v in only if v not in CANDIDATES]
+                if only == ["none"]:
+                    only = [None]
+                unknown = [v for v in only if v is not None and v not in CANDIDATES]
                 if unknown:
                     raise SystemExit(f"--only: unknown candidates {unknown}; known: {list(CANDIDATES)}")
                 variants.update({c_name: fold_config(c, k) for c_name, c in CANDIDATES.items()
