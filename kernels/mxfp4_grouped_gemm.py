@@ -60,6 +60,20 @@ A_PAD_ROWS = 2
 # 70.0; T=2 (0.047 rows) 105.1 / 105.6 -> 106.9 / 106.5, so the split stops below T = 2.
 SHORT_K_DECODE_SPLIT = 2
 SHORT_K_DECODE_SPLIT_MAX_ROWS = 0.03
+# ... of the long-K ones: K >= 6144 (the Pro-shaped gate_up) splits LONG_K_SPLIT ways below
+# LONG_K_SPLIT_MAX_ROWS rows per expert, then LONG_K_SPLIT_MID ways below
+# LONG_K_SPLIT_MID_MAX_ROWS; 4096 <= K < 6144 (the Flash-shaped gate_up) MID_K_SPLIT ways below
+# MID_K_SPLIT_MAX_ROWS. A/B switches (bench --set) for session 24's per-GEMM probe
+# (gpu_probe_swap_rows.py, docs/bench/2026-11-30/session24/, H200, "mma64e", us, the layer
+# config -> split variants): Pro-TP8 gate_up T=8 (0.125 rows, unsplit) 58.9 -> 49.9 split 4,
+# 51.1 split 7; T=16 81.1 -> 83.1 split 4; Flash gate_up T=2 (split 4, fp8) 50.0 -> 39.1
+# unsplit on bf16 pairs.
+LONG_K_SPLIT = 8
+LONG_K_SPLIT_MAX_ROWS = 0.1
+LONG_K_SPLIT_MID = 4
+LONG_K_SPLIT_MID_MAX_ROWS = 0.1
+MID_K_SPLIT = 4
+MID_K_SPLIT_MAX_ROWS = 0.05
 
 __all__ = ["GemmConfig", "select_config", "gemv_config", "mxfp4_grouped_gemm"]
 
@@ -208,10 +222,12 @@ def _select_mma64(rows: float, k: int) -> GemmConfig:
         # Flash gate_up T=1 43.7 -> 39.9 us split 4 ways (T=4 131 vs 110 unsplit: no);
         # Pro-TP8 gate_up T=1 43.7 -> 19.9 split 8 (T=4 67.0 -> 48.8); K = 2048 / 384: level
         # then; K = 2048 split 2 ways at T = 1 since session 23 (see SHORT_K_DECODE_SPLIT)
-        if rows < 0.1 and k >= 6144:
-            split = 8
-        elif rows < 0.05 and k >= 4096:
-            split = 4
+        if rows < LONG_K_SPLIT_MAX_ROWS and k >= 6144:
+            split = LONG_K_SPLIT
+        elif rows < LONG_K_SPLIT_MID_MAX_ROWS and k >= 6144:
+            split = LONG_K_SPLIT_MID
+        elif rows < MID_K_SPLIT_MAX_ROWS and 4096 <= k < 6144:
+            split = MID_K_SPLIT
         elif rows < SHORT_K_DECODE_SPLIT_MAX_ROWS and k >= 2048:
             split = SHORT_K_DECODE_SPLIT
         else:

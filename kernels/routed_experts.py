@@ -188,6 +188,15 @@ FLASH_DOWN16_CAP_MIN_ROWS = 0.2
 # 69.9 against the 2-way split on fp8 70.0 / 69.8: level, the split stays. Same bits
 # everywhere. (Session 11 had pairs level at T = 4, on "mma64", before the A_PAD_ROWS fix.)
 FLASH_DOWN_PAIRS_MIN_ROWS = 0.0
+# Rows per local expert from which the unsplit swap gate_up takes bf16 pairs (below 0.05 rows
+# the long-K gate_up splits K, see mxfp4_grouped_gemm.MID_K_SPLIT_MAX_ROWS); and whether the
+# split-K gate_up takes them, Pro-shaped (I <= 1024) / Flash-shaped. A/B switches (session 24's
+# probe, us, split 8 on fp8 -> on pairs: Pro-TP8 gate_up T=1 13.9 -> 12.4, T=2 20.6 -> 17.8,
+# T=4 33.0 -> 30.0; same bits).
+UP_PAIRS_MIN_ROWS = 0.05
+PRO_UP_SPLIT_PAIRS = False
+FLASH_UP_SPLIT_PAIRS = False
+UP_SPLIT_PAIRS_MAXNREG = 0  # a register cap on the split-K gate_up on pairs (0: none; 130-133 without)
 
 
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
@@ -355,7 +364,10 @@ def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str,
         else:
             up = dataclasses.replace(up, a_bf16=True)
         return up, dataclasses.replace(up, unroll=2)
-    if up.kind == "swap" and up.split_k == 1 and mma64 and rows >= 0.05 and h % 128 == 0:
+    if (up.kind == "swap" and up.split_k > 1 and mma64 and h % 128 == 0
+            and (PRO_UP_SPLIT_PAIRS if i <= 1024 else FLASH_UP_SPLIT_PAIRS)):
+        up = dataclasses.replace(up, a_bf16=True, maxnreg=UP_SPLIT_PAIRS_MAXNREG or None)
+    if up.kind == "swap" and up.split_k == 1 and mma64 and rows >= UP_PAIRS_MIN_ROWS and h % 128 == 0:
         up = dataclasses.replace(up, a_bf16=True)
         # NOTE: a 128-register cap on the Flash-shaped gate_up (I >= 2048) on pairs from 0.2
         # rows per expert, 16-row blocks: three interleaved H200 runs (probe_swz_cap_ab*_
