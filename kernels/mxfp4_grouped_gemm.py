@@ -67,13 +67,15 @@ SHORT_K_DECODE_SPLIT_MAX_ROWS = 0.03
 # (gpu_probe_swap_rows.py, docs/bench/2026-11-30/session24/, H200, "mma64e", us, the layer
 # config -> split variants): Pro-TP8 gate_up T=8 (0.125 rows, unsplit) 58.9 -> 49.9 split 4,
 # 51.1 split 7; T=16 81.1 -> 83.1 split 4; Flash gate_up T=2 (split 4, fp8) 50.0 -> 39.1
-# unsplit on bf16 pairs.
+# unsplit on bf16 pairs. In the layer (routed_experts.UP_SPLIT_PAIRS' note) the split-4 band
+# to 0.2 rows took Pro-TP8 T=8 from 139.5 to 127.7 us and Flash T = 2 unsplit 100.0 -> 94.8,
+# so the bands are 0.1 / 0.2 (was 0.1 / none) and 0.03 (was 0.05).
 LONG_K_SPLIT = 8
 LONG_K_SPLIT_MAX_ROWS = 0.1
 LONG_K_SPLIT_MID = 4
-LONG_K_SPLIT_MID_MAX_ROWS = 0.1
+LONG_K_SPLIT_MID_MAX_ROWS = 0.2
 MID_K_SPLIT = 4
-MID_K_SPLIT_MAX_ROWS = 0.05
+MID_K_SPLIT_MAX_ROWS = 0.03
 
 __all__ = ["GemmConfig", "select_config", "gemv_config", "mxfp4_grouped_gemm"]
 

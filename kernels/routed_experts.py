@@ -172,7 +172,7 @@ PRO_DOWN_PAIRS_MIN_ROWS = 0.05
 # 145.9 -> 143.2 / 144.0, T=6 198.1 / 198.9 -> 193.9 / 193.4, T=8 237.7 / 239.3 -> 231.6 /
 # 232.8; same bits. (Session 6 had measured the cap slower at T = 4, before the A_PAD_ROWS
 # fix of session 22 and the "mma64e" weights.)
-FLASH_UP16_CAP_MIN_ROWS = 0.05
+FLASH_UP16_CAP_MIN_ROWS = 0.0
 # ... and from which the Flash-shaped (I >= 2048) 16-row down takes one. NOTE (session 23,
 # H200, layer bench as above, us, no cap -> from 0.2 rows): Flash T=16 360.9 / 356.2 -> 353.3
 # / 351.9, T=24 461.5 / 463.0 -> 457.9 / 458.3, T=32 571.5 / 572.0 -> 568.2 / 564.8, T=64
@@ -188,15 +188,20 @@ FLASH_DOWN16_CAP_MIN_ROWS = 0.2
 # 69.9 against the 2-way split on fp8 70.0 / 69.8: level, the split stays. Same bits
 # everywhere. (Session 11 had pairs level at T = 4, on "mma64", before the A_PAD_ROWS fix.)
 FLASH_DOWN_PAIRS_MIN_ROWS = 0.0
-# Rows per local expert from which the unsplit swap gate_up takes bf16 pairs (below 0.05 rows
-# the long-K gate_up splits K, see mxfp4_grouped_gemm.MID_K_SPLIT_MAX_ROWS); and whether the
-# split-K gate_up takes them, Pro-shaped (I <= 1024) / Flash-shaped. A/B switches (session 24's
-# probe, us, split 8 on fp8 -> on pairs: Pro-TP8 gate_up T=1 13.9 -> 12.4, T=2 20.6 -> 17.8,
-# T=4 33.0 -> 30.0; same bits).
-UP_PAIRS_MIN_ROWS = 0.05
-PRO_UP_SPLIT_PAIRS = False
-FLASH_UP_SPLIT_PAIRS = False
-UP_SPLIT_PAIRS_MAXNREG = 0  # a register cap on the split-K gate_up on pairs (0: none; 130-133 without)
+# Rows per local expert from which the unsplit swap gate_up takes bf16 pairs, and whether the
+# split-K decode gate_up takes them too (A/B switches). NOTE (session 24, H200, layer bench,
+# graphs, rotated weights, two alternating runs each, docs/bench/2026-11-30/session24/, us):
+# with the Flash-shaped gate_up unsplit at T = 2 (mxfp4_grouped_gemm.MID_K_SPLIT_MAX_ROWS 0.05
+# -> 0.03; on pairs and capped at 128 registers there, so UP_PAIRS_MIN_ROWS and
+# FLASH_UP16_CAP_MIN_ROWS 0.05 -> 0) and the split-K gate_up on pairs: Flash T=1 70.0 / 69.8
+# -> 66.3 / 66.8, T=2 100.0 / 99.5 -> 93.5 / 95.2 (T = 2 unsplit alone: 94.8 / 94.3; T = 1
+# unsplit on pairs instead: 68.9 / 69.6); Pro-TP8, split on pairs and split 4 ways up to 0.2
+# rows (mxfp4_grouped_gemm.LONG_K_SPLIT_MID_MAX_ROWS): T=1 50.3 / 50.4 -> 45.6 / 45.5, T=2
+# 65.3 / 65.3 -> 62.2 / 62.3, T=4 85.8 / 85.3 -> 82.6 / 82.5, T=8 139.5 / 139.4 -> 127.7 /
+# 127.6, T=16 168.8 / 167.7 -> 167.9 / 167.9. A 128-register cap on the split gate_up on pairs
+# (130-133 registers without, offline sm_90a) was slower: Pro-TP8 T=1 48.3 / 48.8.
+UP_PAIRS_MIN_ROWS = 0.0
+UP_SPLIT_PAIRS = True
 
 
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
@@ -365,8 +370,8 @@ def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str,
             up = dataclasses.replace(up, a_bf16=True)
         return up, dataclasses.replace(up, unroll=2)
     if (up.kind == "swap" and up.split_k > 1 and mma64 and h % 128 == 0
-            and (PRO_UP_SPLIT_PAIRS if i <= 1024 else FLASH_UP_SPLIT_PAIRS)):
-        up = dataclasses.replace(up, a_bf16=True, maxnreg=UP_SPLIT_PAIRS_MAXNREG or None)
+            and UP_SPLIT_PAIRS):
+        up = dataclasses.replace(up, a_bf16=True)
     if up.kind == "swap" and up.split_k == 1 and mma64 and rows >= UP_PAIRS_MIN_ROWS and h % 128 == 0:
         up = dataclasses.replace(up, a_bf16=True)
         # NOTE: a 128-register cap on the Flash-shaped gate_up (I >= 2048) on pairs from 0.2

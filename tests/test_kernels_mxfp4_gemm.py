@@ -528,6 +528,7 @@ def test_mma64_guards_and_select_config():
     # decode: the swap body (the GEMV reads only "nk"); long K at tiny T splits 8 ways
     c = select_config(6, 256, 4096, 4096, "mma64")
     assert (c.kind, c.block_m, c.split_k) == ("swap", 16, 4)      # Flash gate_up T=1: 4-way split
+    assert select_config(12, 256, 4096, 4096, "mma64").split_k == 1  # ... not at T=2 (session 24)
     assert select_config(6, 256, 4096, 2048, "mma64").split_k == 2   # Flash down T=1: 2-way split
     assert select_config(12, 256, 4096, 2048, "mma64").split_k == 1  # ... not at T=2
     assert select_config(6, 384, 7168, 384, "mma64").split_k == 1    # Pro-TP8 down: K = 384
@@ -543,13 +544,14 @@ def test_mma64_guards_and_select_config():
     for t in (1, 2, 4, 16, 256):
         up, down = routed_configs(t * 6, pro_tp8)
         assert up.block_m == down.block_m and up.kind != "gemv" and down.kind != "gemv", (t, up, down)
-        # bf16 activation pairs (written by act_quant / swiglu_quant): gate_up's unsplit swap
-        # body from 0.05 rows per expert; the short-K down from 0.05 too (session 24: 1.02x in
-        # the H200 layer at T = 8-256, level at T = 4, slower at T = 1)
-        assert up.a_bf16 == (up.kind == "tile" or (up.kind == "swap" and up.split_k == 1 and t * 6 / 384 >= 0.05)), \
-            (t, up)
+        # bf16 activation pairs (written by act_quant / swiglu_quant): gate_up's swap body,
+        # split or not (session 24: split on pairs 1.04-1.10x in the H200 layer at T = 1-4);
+        # the short-K down from 0.05 rows per expert (session 24: 1.02x at T = 8-256, level
+        # at T = 4, slower at T = 1)
+        assert up.a_bf16, (t, up)
         assert down.a_bf16 == (t * 6 / 384 >= 0.05), (t, down)
-    assert routed_configs(16 * 6, pro_tp8)[0].a_bf16 and not routed_configs(4 * 6, pro_tp8)[0].a_bf16
+    # the long-K decode gate_up splits 8 ways below 0.1 rows per expert, 4 ways below 0.2
+    assert [routed_configs(t * 6, pro_tp8)[0].split_k for t in (1, 6, 7, 12, 13, 16)] == [8, 8, 4, 4, 1, 1]
     # the short-K down swap body: K loop unrolled twice; a register cap on 16-row blocks
     # from 0.05 routes per expert (probes of sessions 6 and 10)
     for t in (1, 4, 16, 256):
@@ -581,10 +583,13 @@ def test_mma64_guards_and_select_config():
         down = routed_configs(t * 6, flash)[1]
         assert down.unroll == 1 and down.maxnreg == cap, (t, down)
     # long-K down on bf16 pairs (written by swiglu_quant) at every T (from 0.2 rows per expert
-    # before session 23) but the split-K down of T = 1; gate_up from 0.05 (T = 3), not split-K T <= 2
+    # before session 23) but the split-K down of T = 1; gate_up at every T, its split-K of T = 1
+    # included (session 24; from 0.05 rows, T = 3, before), capped at 128 registers unsplit
     assert [routed_configs(t * 6, flash)[1].a_bf16 for t in (1, 2, 3, 4, 16, 256, 1024)] == \
         [False, True, True, True, True, True, True]
-    assert [routed_configs(t * 6, flash)[0].a_bf16 for t in (1, 4, 16, 1024)] == [False, True, True, True]
+    assert [routed_configs(t * 6, flash)[0].a_bf16 for t in (1, 2, 4, 16, 1024)] == [True] * 5
+    assert [(c.split_k, c.maxnreg) for c in (routed_configs(t * 6, flash)[0] for t in (1, 2, 3))] == \
+        [(4, None), (1, 128), (1, 128)]
     # the Flash 32-row down: unrolled twice per-block, rolled when folded (the default since session 17)
     assert routed_configs(1024 * 6, flash)[1].unroll == 1 and routed_configs(1024 * 6, flash)[1].block_m == 32
     # session 18: from 40 rows per expert (session 19: 36; session 20: 40 again, T >= 1707) both
@@ -604,10 +609,10 @@ def test_mma64_guards_and_select_config():
         assert (up.kind, up.num_stages, up.maxnreg, down.kind, down.num_stages) == ("tile", 2, 168, "tile", 3), (up, down)
         up, down = _routed_configs(8192 * 6, 384, 384, 7168, "mma64", fold, fold_swap)
         assert (up.kind, down.kind, down.a_bf16) == ("tile", "tile", False), (up, down)
-    # a 128-register cap on Flash's gate_up on pairs, 16-row blocks from 0.05 rows per expert
-    # (0.2 before session 23); not on the split-K gate_up of T <= 2
+    # a 128-register cap on Flash's unsplit gate_up on pairs, 16-row blocks (from 0.2 rows per
+    # expert before session 23, 0.05 in session 23); not on the split-K gate_up of T = 1
     assert [routed_configs(t * 6, flash)[0].maxnreg for t in (1, 2, 3, 4, 16, 256, 1024)] == \
-        [None, None, 128, 128, 128, 128, None]
+        [None, 128, 128, 128, 128, 128, None]
     assert routed_configs(16 * 6, pro_tp8)[0].maxnreg is None
     nk = dataclasses.replace(pro_tp8, layout="nk")  # "nk" decodes on the tile/GEMV bodies: no pairs
     assert not any(routed_configs(t * 6, nk)[0].a_bf16 for t in (16, 256, 1024))
@@ -1011,6 +1016,9 @@ def test_a_pad_rows_same_bits(monkeypatch, kind):
     ("FLASH_DOWN_PAIRS_MIN_ROWS", float("inf"), lambda fl, pro: not fl(4)[1].a_bf16 and not fl(16)[1].a_bf16),
     ("FLASH_DOWN16_CAP_MIN_ROWS", float("inf"), lambda fl, pro: fl(16)[1].maxnreg is None),
     ("FLASH_UP16_CAP_MIN_ROWS", 0.2, lambda fl, pro: fl(4)[0].maxnreg is None and fl(16)[0].maxnreg == 128),
+    # session 24's
+    ("UP_SPLIT_PAIRS", False, lambda fl, pro: not fl(1)[0].a_bf16 and not pro(4)[0].a_bf16 and fl(2)[0].a_bf16),
+    ("UP_PAIRS_MIN_ROWS", 0.05, lambda fl, pro: not fl(2)[0].a_bf16 and fl(3)[0].a_bf16),
     ("PRO_DOWN_PAIRS_MIN_ROWS", 0.0, lambda fl, pro: pro(1)[1].a_bf16 and pro(16)[1].a_bf16
                                                      and pro(16)[1].maxnreg == 128 and pro(16)[1].unroll == 2),
     ("PRO_DOWN_PAIRS_MIN_ROWS", float("inf"), lambda fl, pro: not pro(4)[1].a_bf16 and not pro(16)[1].a_bf16
