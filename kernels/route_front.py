@@ -59,7 +59,8 @@ def front_limits(num_tokens: int, top_k: int, num_local: int, block_m: int, num_
 def route_front(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 tid2eid: torch.Tensor | None, input_ids: torch.Tensor | None, top_k: int,
                 routed_scaling_factor: float, *, num_local: int, first_expert: int, block_m: int,
-                pairs: "bool | str" = False, _raw_logits: bool = False, _diag: int = 0):
+                pairs: "bool | str" = False, _raw_logits: bool = False, _diag: int = 0,
+                _warps: int | None = None):
     """(topk_weights, topk_ids, q, sa, q_pairs | None, align); see the module docstring."""
     import triton  # noqa: PLC0415
 
@@ -96,6 +97,7 @@ def route_front(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     align = new_alignment(r, top_k, num_local, block_m, dev)
     max_blocks, max_rows = align.max_blocks, align.max_rows
     bt, be, bh, warps = gemv_blocks(t, h)
+    warps = _warps or warps  # probes only (scripts/gpu_check_front_pairs.py)
     grid = (triton.cdiv(e, be), triton.cdiv(t, bt))
     nprog = grid[0] * grid[1]
     x = x.contiguous()
