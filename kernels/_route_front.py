@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ._moe_align import _align_small_body
 from ._router import _logits_tile, _topk_tokens
-from ._triton_utils import pdl_enter, quant_group_tile, split_k_arrive, split_k_reset, store_pairs
+from ._triton_utils import e4m3_bytes_to_bf16, pdl_enter, quant_group_tile, split_k_arrive, split_k_reset
 
 
 @triton.jit
@@ -70,7 +70,19 @@ def _route_front_kernel(
         q, s_store = quant_group_tile(xv, SCALE_FMT, SOFTWARE)
         tl.store(q_ptr + row[:, None] * stride_qm + cols, q, mask=m)
         if PAIRS:  # H % 128 == 0 (checked by the wrapper)
-            store_pairs(p_ptr + row * stride_pm + g * 128, q, ok, SOFTWARE, s_store, PAIRS == 2)
+            # NOTE (session 24): the pairs are quantised again from x loaded in their column
+            # order (the group's 64 even columns, then its 64 odd ones: the same amax, so the
+            # same scale and the same e4m3 byte per element) and stored contiguously. The
+            # register split of store_pairs (act_quant's way) stored wrong odd halves on the
+            # H200 in this kernel at the 8 warps of the T = 2 GEMV (scripts/
+            # gpu_check_front_pairs.py; 4 warps would change the logits' bits).
+            pc = g[:, None] * 128 + tl.where(cc < 64, 2 * cc, 2 * cc - 127)[None, :]
+            xp = tl.load(x_ptr + row[:, None] * stride_x + pc, mask=m, other=0.0).to(tl.float32)
+            qp, _ = quant_group_tile(xp, SCALE_FMT, SOFTWARE)
+            v = e4m3_bytes_to_bf16(qp, SOFTWARE)
+            if PAIRS == 2:  # "scaled pairs": bf16(q * s), exact (s a power of two)
+                v = (v.to(tl.float32) * s_store[:, None]).to(tl.bfloat16)
+            tl.store(p_ptr + row[:, None] * stride_pm + cols, v, mask=m)
         tl.store(s_ptr + row * stride_sm + g, s_store, mask=ok)
     if split_k_arrive(cnt_ptr, nprog):
         if DIAG != 1:
