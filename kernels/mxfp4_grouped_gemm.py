@@ -69,11 +69,14 @@ SHORT_K_DECODE_SPLIT_MAX_ROWS = 0.03
 # 51.1 split 7; T=16 81.1 -> 83.1 split 4; Flash gate_up T=2 (split 4, fp8) 50.0 -> 39.1
 # unsplit on bf16 pairs. In the layer (routed_experts.UP_SPLIT_PAIRS' note) the split-4 band
 # to 0.2 rows took Pro-TP8 T=8 from 139.5 to 127.7 us and Flash T = 2 unsplit 100.0 -> 94.8,
-# so the bands are 0.1 / 0.2 (was 0.1 / none) and 0.03 (was 0.05).
+# so the bands are 0.1 / 0.2 (was 0.1 / none) and 0.03 (was 0.05). The split-4 band only for
+# N <= LONG_K_SPLIT_MID_MAX_N (the Pro-TP8 gate_up, N = 768): the Pro-TP1 layer (gate_up N =
+# 6144, 6x the programs) at T = 8 took 549.6 us with it against 527.4 without (one run each).
 LONG_K_SPLIT = 8
 LONG_K_SPLIT_MAX_ROWS = 0.1
 LONG_K_SPLIT_MID = 4
 LONG_K_SPLIT_MID_MAX_ROWS = 0.2
+LONG_K_SPLIT_MID_MAX_N = 2048
 MID_K_SPLIT = 4
 MID_K_SPLIT_MAX_ROWS = 0.03
 
@@ -190,7 +193,7 @@ def select_config(num_routes: int, num_local: int, n: int, k: int, layout: str =
     """
     rows = num_routes / max(num_local, 1)
     if layout in ("mma64", "mma64e"):
-        return _select_mma64(rows, k)
+        return _select_mma64(rows, k, n)
     # NOTE (session 3, after the cheaper dequantisation PTX sped the MMA bodies up 8-14 %):
     # at T = 4 on Flash the tile body passes the GEMV (probe_mxfp4_asm.txt of session 3:
     # gate_up 143.9 -> 131.5 us, down 77.8 -> 68.2); the long-K Pro-TP8 gate_up keeps the
@@ -204,7 +207,7 @@ def select_config(num_routes: int, num_local: int, n: int, k: int, layout: str =
     return GemmConfig(64, 128, 4, 3, asm=True)
 
 
-def _select_mma64(rows: float, k: int) -> GemmConfig:
+def _select_mma64(rows: float, k: int, n: int = 0) -> GemmConfig:
     """Config for "mma64" weights (the GEMV reads only "nk", so the swap body serves
     decode). NOTE: from the H200 probe of session 4 (scripts/gpu_probe_swz.py,
     docs/bench/2026-11-29/session4/, CUDA graphs, us, "nk" default -> "mma64" swap 16x128):
@@ -226,7 +229,7 @@ def _select_mma64(rows: float, k: int) -> GemmConfig:
         # then; K = 2048 split 2 ways at T = 1 since session 23 (see SHORT_K_DECODE_SPLIT)
         if rows < LONG_K_SPLIT_MAX_ROWS and k >= 6144:
             split = LONG_K_SPLIT
-        elif rows < LONG_K_SPLIT_MID_MAX_ROWS and k >= 6144:
+        elif rows < LONG_K_SPLIT_MID_MAX_ROWS and k >= 6144 and n <= LONG_K_SPLIT_MID_MAX_N:
             split = LONG_K_SPLIT_MID
         elif rows < MID_K_SPLIT_MAX_ROWS and 4096 <= k < 6144:
             split = MID_K_SPLIT
