@@ -71,7 +71,7 @@ SHORT_K_DECODE_SPLIT_MAX_ROWS = 0.03
 # to 0.2 rows took Pro-TP8 T=8 from 139.5 to 127.7 us and Flash T = 2 unsplit 100.0 -> 94.8,
 # so the bands are 0.1 / 0.2 (was 0.1 / none) and 0.03 (was 0.05). The split-4 band only for
 # N <= LONG_K_SPLIT_MID_MAX_N (the Pro-TP8 gate_up, N = 768): the Pro-TP1 layer (gate_up N =
-# 6144, 6x the programs) at T = 8 took 549.6 us with it against 527.4 without (one run each).
+# 6144, 8x the programs) at T = 8 took 549.6 us with it against 527.4 without (one run each).
 LONG_K_SPLIT = 8
 LONG_K_SPLIT_MAX_ROWS = 0.1
 LONG_K_SPLIT_MID = 4

@@ -285,7 +285,8 @@ def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str,
     # probe_swz_pairs_*.txt, "mma64", graphs, us, fp8 -> bf16 pairs, bitwise):
     #   gate_up, unsplit swap from 0.05 routes per expert: Flash T=4 104.6 -> 95.4, T=16
     #     309.9 -> 274.6, T=64 794.9 -> 693.2, T=1024 (32 rows) 1398.4 -> 1211.0; Pro-TP8
-    #     T=16 119.2 -> 107.4, T=256 475.0 -> 412.0 (not split-K decode: Flash T=1 37.0 -> 41.8)
+    #     T=16 119.2 -> 107.4, T=256 475.0 -> 412.0 (not split-K decode: Flash T=1 37.0 -> 41.8;
+    #     session 24, on A_PAD 2 and "mma64e": split-K too and from 0 rows, see UP_SPLIT_PAIRS)
     #   down, K = I >= 2048 from 0.2 routes per expert: Flash T=16 160.5 -> 138.3, T=64
     #     379.1 -> 329.4, T=256 482.5 -> 416.3, T=1024 743.3 -> 611.4 (32 rows, unrolled
     #     twice; 658.8 not); not at T=4 (51.9 -> 52.3) and not the short-K Pro-TP8 down
@@ -379,7 +380,7 @@ def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str,
         # 428106e.txt, medians, us) T=16 270.7 -> 266.4, T=64 657.0 -> 637.5, T=256 868.4
         # -> 840.6 (136 registers: slower); at T=4 98.5 vs 95.6 and on Pro-TP8 gate_up
         # (113.0 vs 108.6 at T=16) slower (probe_swz_pairs_variants_269c2f5.txt). Session 23:
-        # from 0.05 rows (T >= 3), see FLASH_UP16_CAP_MIN_ROWS.
+        # from 0.05 rows (T >= 3), see FLASH_UP16_CAP_MIN_ROWS; session 24: from 0 (T = 2 unsplit).
         if i >= 2048 and rows >= FLASH_UP16_CAP_MIN_ROWS and up.block_m == 16:
             up = dataclasses.replace(up, maxnreg=128)
     if (down.kind == "swap" and down.split_k == 1 and mma64 and i >= 2048 and i % 128 == 0
