@@ -71,6 +71,8 @@ def route_front(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     from .act_quant import pairs_scaled
 
     scaled = pairs_scaled(pairs, "route_front")
+    if _warps is not None and _warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"_warps={_warps!r}: expected None or a power of two from 1 to 16")
     t, h, e, hashed = check_route_args(x, weight, bias, tid2eid, input_ids, top_k, routed_scaling_factor)
     check_align_args(num_local, first_expert, block_m)
     ok, why = front_limits(t, top_k, num_local, block_m, e, h, pairs)

@@ -96,6 +96,9 @@ def test_front_limits_and_errors():
         route_front(x[:1], w, None, None, None, 2, 1.0, num_local=16, first_expert=0, block_m=24, _raw_logits=True)
     with pytest.raises(ValueError, match="_raw_logits=False"):
         route_front(x[:1], w, None, None, None, 2, 1.0, num_local=16, first_expert=0, block_m=16)
+    with pytest.raises(ValueError, match="_warps=3"):
+        route_front(x[:1], w, None, None, None, 2, 1.0, num_local=16, first_expert=0, block_m=16,
+                    _raw_logits=True, _warps=3)
     with pytest.raises(ValueError, match="x: expected a"):
         route_front(x[:1].float(), w, None, None, None, 2, 1.0, num_local=16, first_expert=0, block_m=16,
                     _raw_logits=True)
