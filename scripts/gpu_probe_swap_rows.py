@@ -134,6 +134,7 @@ def main():
     ap.add_argument("--layer-twins", action="store_true",
                     help="add 'layer again' (the layer config timed twice: the noise floor) and 'layer nf' "
                          "(the layer config with GemmConfig.n_fastest flipped, swap configs only)")
+    ap.add_argument("--gemms", default="gate_up,down", help="which GEMMs to time (comma-separated)")
     args = ap.parse_args()
     dev = args.device
     out = os.environ.get("OUT", "./out")
@@ -145,7 +146,7 @@ def main():
 
     enc_variants = [_parse_variant(v) for v in args.enc_variants.split(";") if v.strip()]
     cfgs = {"flash": MoEConfig.flash(), "pro-tp8": MoEConfig.pro().replace(moe_intermediate_size=384, name="pro-tp8-rank"),
-            "tiny": MoEConfig.tiny()}
+            "pro-tp1": MoEConfig.pro(), "tiny": MoEConfig.tiny()}
     for name in args.presets.split(","):
         cfg = cfgs[name]
         # with --enc / --enc-variants the layer (its configs, its weights) is the plain "mma64" twin
@@ -169,6 +170,8 @@ def main():
             hq_r, hs_r = act_quant((torch.randn(routes, i, device=dev, generator=g) * 2).bfloat16())
             up, down = routed_configs(routes, r)
             for gemm, layer_cfg, k in (("gate_up", up, h), ("down", down, i)):
+                if gemm not in args.gemms.split(","):
+                    continue
                 if layer_cfg.kind == "gemv":
                     say(f"{name} T={t} {gemm}: the layer runs the GEMV here, skipped")
                     continue
@@ -189,8 +192,18 @@ def main():
                         variants["layer nf" if flipped.n_fastest else "layer mf"] = fold_config(flipped, k)
                 if args.enc or args.enc_variants:
                     variants["layer mma64e"] = variants[next(iter(variants))]
+                n_out = 2 * i if gemm == "gate_up" else h
                 for tag, fields in enc_variants:
-                    variants[f"e {tag}"] = dataclasses.replace(variants[next(iter(variants))], **fields)
+                    try:
+                        v_cfg = dataclasses.replace(variants[next(iter(variants))], **fields)
+                    except ValueError as exc:  # e.g. n_per on a split-K config: not this GEMM's variant
+                        say(f"{name} T={t} {gemm}: variant {tag} skipped ({exc})")
+                        continue
+                    if n_out % (v_cfg.block_n * v_cfg.n_per):
+                        say(f"{name} T={t} {gemm}: variant {tag} skipped (N={n_out} not a multiple of "
+                            f"block_n * n_per = {v_cfg.block_n * v_cfg.n_per})")
+                        continue
+                    variants[f"e {tag}"] = v_cfg
                 calls, per_route = {}, {}
                 for v_name, c in variants.items():
                     align = moe_align(ids, r.num_local, r.first_expert, c.block_m, w)
