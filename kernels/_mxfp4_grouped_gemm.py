@@ -284,7 +284,6 @@ def _mxfp4_grouped_gemm_swap_kernel(
     FOLD_WAIT: tl.constexpr = True,  # folded: wait on each block's MMAs (GemmConfig.fold_order "wait"), else "split"
     N_FASTEST: tl.constexpr = False,  # grid (N blocks, M blocks, splits) instead of (M, N, splits)
     A_PAD: tl.constexpr = 1,  # the A row a padding row reads (_a_rows; mxfp4_grouped_gemm.A_PAD_ROWS)
-    N_PER: tl.constexpr = 1,  # GemmConfig.n_per: BLOCK_N-row weight tiles per program (not SPLIT)
 ):
     """Swapped operands: out^T[n, rows] = W[n, k] . A^T[k, rows]. The dequantised weight
     tile is the MMA's first operand (kept in registers on Hopper: no shared-memory round
@@ -297,13 +296,7 @@ def _mxfp4_grouped_gemm_swap_kernel(
     each block's MMA before it, no scale loads in the loop (H200, session 15: 1.04-1.20x on
     the decode GEMMs). The products are the same exact values; the fp32 sums are associated
     per MMA step instead of per 128-block (the deviation docs/DESIGN.md describes). With
-    SPLIT each program writes its one partial to ws[pid_k] (ws [splits, R, N]).
-
-    N_PER > 1 (unsplit, N a multiple of BLOCK_N * N_PER): the program covers tiles
-    pid_n * N_PER .. + N_PER - 1 in one flattened loop over (tile, 128-block), so the loads of
-    the next tile are in flight while this one finishes; each tile is stored from the loop
-    after its last block and its accumulator restarts from zero - the same MMA chain per tile
-    as N_PER = 1, so the same bits."""
+    SPLIT each program writes its one partial to ws[pid_k] (ws [splits, R, N])."""
     pdl_enter(PDL)
     if N_FASTEST:
         pid_m = tl.program_id(1)
@@ -319,7 +312,7 @@ def _mxfp4_grouped_gemm_swap_kernel(
     route = tl.load(sorted_ids_ptr + rows)
     row_ok = route < R
     arow = _a_rows(sorted_ids_ptr, pid_m, rows, route, row_ok, R, top_k, A_GATHER, BLOCK_M, A_PAD)
-    n = pid_n * (BLOCK_N * N_PER) + tl.arange(0, BLOCK_N)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     n_safe = tl.where(n_ok, n, 0).to(tl.int64)
     kh = tl.arange(0, 64)
@@ -330,7 +323,7 @@ def _mxfp4_grouped_gemm_swap_kernel(
     else:
         a_ptrs = a_ptr + arow[:, None] * stride_am + kk[None, :]
     if W_SWZ:
-        w_ptrs = _mma64_tile_ptrs(w_ptr + e * stride_we, pid_n * N_PER, N, stride_wn, BLOCK_N)
+        w_ptrs = _mma64_tile_ptrs(w_ptr + e * stride_we, pid_n, N, stride_wn, BLOCK_N)
     else:
         w_ptrs = w_ptr + e * stride_we + n_safe[:, None] * stride_wn + kh[None, :]
     sw_ptrs = sw_ptr + e * stride_swe + n_safe[:, None] * stride_swn + k4[None, :]
@@ -358,16 +351,8 @@ def _mxfp4_grouped_gemm_swap_kernel(
     # Bitwise the same outputs (same MMA chain); H200 timings in kernels/routed_experts.py.
     SPLIT_HALVES: tl.constexpr = FOLD_SA and ASM and W_SWZ and DIAG == 0 and not FOLD_WAIT
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for j in tl.range(0, KB_PER * N_PER, num_stages=NUM_STAGES, loop_unroll_factor=LOOP_UNROLL):
-        if N_PER > 1:  # tile jn of this program, block kb of it (pid_k = 0: never split)
-            jn = j // KB_PER
-            kb = j - jn * KB_PER
-            w_tile = jn * BLOCK_N * stride_wn   # the same offset in "nk" and "mma64" (64-row tiles)
-            sw_tile = jn * BLOCK_N * stride_swn
-        else:
-            kb = pid_k * KB_PER + j
-            w_tile = 0
-            sw_tile = 0
+    for j in tl.range(0, KB_PER, num_stages=NUM_STAGES, loop_unroll_factor=LOOP_UNROLL):
+        kb = pid_k * KB_PER + j
         k0 = kb * 128
         if A_BF16 and K_MASKED:
             a_even = tl.load(a_ptrs + k0, mask=(kb < K // 128) & (kh < 64)[None, :] & (row_ok[:, None] | (A_PAD != 2)),
@@ -388,20 +373,20 @@ def _mxfp4_grouped_gemm_swap_kernel(
         kmask = (k0 // 2 + kh)[None, :] < K // 2
         if W_SWZ:
             if K_MASKED:  # whole 128-blocks: only a split's tail block is masked (zero words decode to 0)
-                raw = tl.load(w_ptrs + (w_tile + kb * 4096), mask=kb < K // 128, other=0)
+                raw = tl.load(w_ptrs + kb * 4096, mask=kb < K // 128, other=0)
             else:
-                raw = tl.load(w_ptrs + (w_tile + kb * 4096))
+                raw = tl.load(w_ptrs + kb * 4096)
             if W_ENC and not ASM:  # the PTX decodes "mma64e" words in registers; this path first
                 raw = _mma64e_decode(raw, BLOCK_N)
             packed = _mma64_unswizzle(raw, BLOCK_N)
         elif K_MASKED:
-            packed = tl.load(w_ptrs + (w_tile + k0 // 2), mask=kmask, other=0)
+            packed = tl.load(w_ptrs + k0 // 2, mask=kmask, other=0)
         else:
-            packed = tl.load(w_ptrs + (w_tile + k0 // 2))
+            packed = tl.load(w_ptrs + k0 // 2)
         if K_MASKED:
-            sb4 = tl.load(sw_ptrs + (sw_tile + k0 // 32), mask=(k0 // 32 + k4)[None, :] < K // 32, other=127)
+            sb4 = tl.load(sw_ptrs + k0 // 32, mask=(k0 // 32 + k4)[None, :] < K // 32, other=127)
         else:
-            sb4 = tl.load(sw_ptrs + (sw_tile + k0 // 32))
+            sb4 = tl.load(sw_ptrs + k0 // 32)
         if DIAG == 1:  # probe: no conversion (wrong values; isolates load + MMA cost)
             w_lo = packed.to(tl.bfloat16) + tl.sum(sb4, axis=1).to(tl.bfloat16)[:, None]
             w_hi = w_lo
@@ -445,20 +430,9 @@ def _mxfp4_grouped_gemm_swap_kernel(
                          mask=n_ok[:, None] & row_ok[None, :] & (kb < (K + 127) // 128))
             else:
                 acc += part * s_a[None, :]
-        if N_PER > 1:
-            if kb == KB_PER - 1:  # this tile's last block: store it, the next tile starts from zero
-                if OUT_SCATTER:
-                    orow_t = tl.where(row_ok, route, 0).to(tl.int64)
-                else:
-                    orow_t = rows.to(tl.int64)
-                if SOFTWARE_BF16:
-                    acc = round_to_bf16(acc, True)
-                tl.store(out_ptr + orow_t[None, :] * stride_om + (n + jn * BLOCK_N)[:, None], acc.to(tl.bfloat16),
-                         mask=n_ok[:, None] & row_ok[None, :])
-                acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if FOLD_SA and SPLIT:
         tl.store(ws_ptrs + pid_k * R * N, acc, mask=n_ok[:, None] & row_ok[None, :])
-    if not SPLIT and N_PER == 1:
+    if not SPLIT:
         if OUT_SCATTER:
             orow = tl.where(row_ok, route, 0).to(tl.int64)
         else:

@@ -146,11 +146,6 @@ class GemmConfig:
     # walks the M-blocks first. Same programs, same bits. routed_configs sets it on the unsplit
     # 32/64-row swap GEMMs (session 19: Flash layer T = 8192 1.10x; see routed_experts._n_fastest).
     n_fastest: bool = False
-    # "swap", unsplit: weight tiles (BLOCK_N rows each) per program, walked in one flattened loop
-    # of KB x n_per 128-blocks, so the pipeline keeps loading across the tiles (a short-K GEMM,
-    # e.g. the Pro-TP8 down with K = 384, has only 3 blocks per tile). Each tile's MMA chain and
-    # store are those of n_per = 1: the same bits. N must be a multiple of block_n * n_per.
-    n_per: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in ("tile", "swap", "gemv"):
@@ -176,10 +171,6 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.fold_order={self.fold_order!r}: expected 'wait' or 'split'")
         if not isinstance(self.split_k, int) or self.split_k < 1 or (self.split_k > 1 and self.kind == "tile"):
             raise ValueError(f"GemmConfig.split_k={self.split_k!r}: expected an int >= 1 (1 for kind 'tile')")
-        if (not isinstance(self.n_per, int) or isinstance(self.n_per, bool) or self.n_per < 1
-                or (self.n_per > 1 and (self.kind != "swap" or self.split_k != 1))):
-            raise ValueError(f"GemmConfig.n_per={self.n_per!r}: expected an int >= 1 (1 unless kind 'swap' "
-                             f"with split_k=1)")
 
 
 def select_config(num_routes: int, num_local: int, n: int, k: int, layout: str = "nk") -> GemmConfig:
@@ -407,10 +398,7 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
     # one fp32 partial per 128-block, summed in block order after; with fold_sa one per split
     parts = splits if cfg.fold_sa else kb
     ws = torch.empty((parts, r, n) if split else (1,), dtype=torch.float32, device=q.device)
-    if cfg.n_per > 1 and n % (cfg.block_n * cfg.n_per):
-        raise ValueError(f"config.n_per={cfg.n_per}: N={n} must be a multiple of block_n * n_per = "
-                         f"{cfg.block_n * cfg.n_per}")
-    grid = (align.max_blocks, triton.cdiv(n, cfg.block_n * cfg.n_per), splits)
+    grid = (align.max_blocks, triton.cdiv(n, cfg.block_n), splits)
     if cfg.n_fastest:
         if align.max_blocks > 65535:  # CUDA's grid y limit
             raise ValueError(f"config.n_fastest=True: {align.max_blocks} M-blocks exceed the grid's y limit "
@@ -427,7 +415,7 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
         _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, W_SWZ=swz, W_ENC=enc, A_BF16=cfg.a_bf16,
                                               DIAG=cfg.diag, LOOP_UNROLL=cfg.unroll, FOLD_SA=cfg.fold_sa,
                                               FOLD_WAIT=cfg.fold_order == "wait", N_FASTEST=cfg.n_fastest,
-                                              A_PAD=A_PAD_ROWS, N_PER=cfg.n_per, **common)
+                                              A_PAD=A_PAD_ROWS, **common)
     else:
         _mxfp4_gemv_kernel[grid](*args, UNROLL=cfg.unroll, **common)
     if split:

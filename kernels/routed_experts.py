@@ -202,12 +202,6 @@ FLASH_DOWN_PAIRS_MIN_ROWS = 0.0
 # (130-133 registers without, offline sm_90a) was slower: Pro-TP8 T=1 48.3 / 48.8.
 UP_PAIRS_MIN_ROWS = 0.0
 UP_SPLIT_PAIRS = True
-# Weight tiles per program (GemmConfig.n_per) of the Pro-shaped (I <= 1024) short-K down (3
-# 128-blocks per tile at TP8) on unsplit swap blocks, below SHORT_K_DOWN_N_PER_MAX_ROWS rows per
-# local expert: one flattened loop keeps the next tile's loads in flight (same bits). A/B
-# switches; 1 = one tile per program.
-SHORT_K_DOWN_N_PER = 1
-SHORT_K_DOWN_N_PER_MAX_ROWS = float("inf")
 
 
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
@@ -233,17 +227,7 @@ def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str
         up, down = _mma64e_configs(up, down, i, num_routes / max(num_local, 1))
     if n_fastest:
         up, down = _n_fastest(up, num_routes, num_local), _n_fastest(down, num_routes, num_local)
-    down = _short_k_n_per(down, i, h, num_routes / max(num_local, 1))
     return up, down
-
-
-def _short_k_n_per(down: GemmConfig, i: int, h: int, rows: float) -> GemmConfig:
-    """The short-K down with SHORT_K_DOWN_N_PER weight tiles per program where it applies."""
-    n_per = SHORT_K_DOWN_N_PER
-    if (n_per > 1 and down.kind == "swap" and down.split_k == 1 and i <= 1024
-            and rows < SHORT_K_DOWN_N_PER_MAX_ROWS and h % (down.block_n * n_per) == 0):
-        return dataclasses.replace(down, n_per=n_per)
-    return down
 
 
 def _mma64e_configs(up: GemmConfig, down: GemmConfig, i: int, rows: float = 0.0) -> tuple[GemmConfig, GemmConfig]:

@@ -192,16 +192,11 @@ def main():
                         variants["layer nf" if flipped.n_fastest else "layer mf"] = fold_config(flipped, k)
                 if args.enc or args.enc_variants:
                     variants["layer mma64e"] = variants[next(iter(variants))]
-                n_out = 2 * i if gemm == "gate_up" else h
                 for tag, fields in enc_variants:
                     try:
                         v_cfg = dataclasses.replace(variants[next(iter(variants))], **fields)
-                    except ValueError as exc:  # e.g. n_per on a split-K config: not this GEMM's variant
+                    except ValueError as exc:  # e.g. unroll on a tile config: not this GEMM's variant
                         say(f"{name} T={t} {gemm}: variant {tag} skipped ({exc})")
-                        continue
-                    if n_out % (v_cfg.block_n * v_cfg.n_per):
-                        say(f"{name} T={t} {gemm}: variant {tag} skipped (N={n_out} not a multiple of "
-                            f"block_n * n_per = {v_cfg.block_n * v_cfg.n_per})")
                         continue
                     variants[f"e {tag}"] = v_cfg
                 calls, per_route = {}, {}

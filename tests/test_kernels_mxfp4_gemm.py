@@ -1026,11 +1026,6 @@ def test_a_pad_rows_same_bits(monkeypatch, kind):
                                                      and pro(16)[1].maxnreg == 128 and pro(16)[1].unroll == 2),
     ("PRO_DOWN_PAIRS_MIN_ROWS", float("inf"), lambda fl, pro: not pro(4)[1].a_bf16 and not pro(16)[1].a_bf16
                                                               and pro(16)[1].maxnreg == 128),
-    # session 25's
-    ("SHORT_K_DOWN_N_PER", 4, lambda fl, pro: pro(16)[1].n_per == 4 and pro(1024)[1].n_per == 4
-                                              and pro(4)[1].n_per == 4 and pro(1)[1].n_per == 4
-                                              and fl(16)[1].n_per == 1 and pro(16)[0].n_per == 1),
-    ("SHORT_K_DOWN_N_PER", 5, lambda fl, pro: pro(16)[1].n_per == 1),          # 7168 % (128 * 5): not taken
 ])
 def test_session23_config_switches(monkeypatch, name, value, check):
     import dsv4_moe.kernels.routed_experts as rx
@@ -1044,7 +1039,6 @@ def test_session23_config_switches(monkeypatch, name, value, check):
     assert fl(4)[1].a_bf16 and fl(16)[1].maxnreg == 128 and fl(4)[0].maxnreg == 128
     assert not pro(1)[1].a_bf16 and not pro(3)[1].a_bf16
     assert pro(4)[1].a_bf16 and pro(16)[1].a_bf16 and pro(16)[1].maxnreg == 128 and pro(16)[1].unroll == 2
-    assert all(c.n_per == 1 for t in (1, 16, 1024) for c in fl(t) + pro(t))
     monkeypatch.setattr(rx, name, value)
     rx._routed_configs.cache_clear()
     try:
@@ -1052,61 +1046,3 @@ def test_session23_config_switches(monkeypatch, name, value, check):
     finally:
         monkeypatch.undo()
         rx._routed_configs.cache_clear()
-
-
-@pytest.mark.parametrize("layout,fold,bm", [("nk", False, 16), ("mma64", False, 16), ("mma64", True, 16),
-                                            ("mma64", True, 32)])
-def test_n_per_tiles_per_program_same_bits(layout, fold, bm):
-    """GemmConfig.n_per (weight tiles per program in one flattened loop, session 25): each
-    tile's MMA chain and store are those of n_per = 1, so the same bits, gathered gate_up and
-    scattered short-K down (K = 384, 3 blocks per tile), and non-local slots untouched."""
-    from dsv4_moe.weights.mma_layout import to_mma64
-
-    g = torch.Generator().manual_seed(11)
-    e, t, k, h, n = 4, 5, 3, 256, 384
-    w, s = _weights(e + 1, n, h, g)   # expert e is not local: its routes must not be written
-    w, s = w[:e].contiguous(), s[:e].contiguous()
-    ids = _ids(t, k, e + 1, g)
-    q, sa = ref.act_quant(torch.randn(t, h, generator=g).bfloat16())
-    a = moe_align(ids.int(), e, 0, bm)
-    wl = to_mma64(w) if layout == "mma64" else w
-    local = ids.flatten() < e
-    assert not local.all(), "the case needs a non-local route"
-    rows = a.route_rows.long()[local]
-    base_cfg = GemmConfig(bm, 64, 4, 3, kind="swap", fold_sa=fold, asm=fold)
-    up = {}
-    for n_per in (1, 2, 3):
-        cfg = dataclasses.replace(base_cfg, n_per=n_per)
-        up[n_per] = mxfp4_grouped_gemm(q, sa, wl, s, a, gather_a=True, scatter_out=False, config=cfg, layout=layout)
-        assert torch.equal(up[n_per][rows].view(torch.int16), up[1][rows].view(torch.int16)), n_per
-    exp = torch.cat([ref.fp4_gemm(q[r // k:r // k + 1], sa[r // k:r // k + 1], w[ei], s[ei])
-                     for r, ei in zip(torch.nonzero(local).flatten().tolist(), ids.flatten()[local].tolist())])
-    _assert_close(up[2][rows], exp, f"n_per=2 {layout} gate_up")
-    wd, sd = _weights(e, 128, 384, g)
-    wdl = to_mma64(wd) if layout == "mma64" else wd
-    hq, hs = ref.act_quant(torch.randn(a.max_rows, 384, generator=g).bfloat16())
-    sentinel = torch.full((t * k, 128), 7.0, dtype=torch.bfloat16)
-    down = {}
-    for n_per in (1, 2):
-        cfg = dataclasses.replace(base_cfg, n_per=n_per)
-        down[n_per] = mxfp4_grouped_gemm(hq, hs, wdl, sd, a, gather_a=False, scatter_out=True,
-                                         out=sentinel.clone(), config=cfg, layout=layout)
-    assert torch.equal(down[2].view(torch.int16), down[1].view(torch.int16))
-    assert torch.equal(down[2][~local], sentinel[~local]), "non-local slots must not be written"
-
-
-def test_n_per_guards():
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="GemmConfig.n_per="):
-            GemmConfig(16, 128, kind="swap", n_per=bad)
-    with pytest.raises(ValueError, match="GemmConfig.n_per=2"):
-        GemmConfig(64, 128, n_per=2)                            # tile body
-    with pytest.raises(ValueError, match="GemmConfig.n_per=2"):
-        GemmConfig(16, 128, kind="swap", split_k=2, n_per=2)    # split-K
-    g = torch.Generator().manual_seed(1)
-    w, s = _weights(2, 192, 128, g)
-    q, sa = ref.act_quant(torch.randn(2, 128, generator=g).bfloat16())
-    a = moe_align(torch.tensor([[0], [1]], dtype=torch.int32), 2, 0, 16)
-    with pytest.raises(ValueError, match="N=192 must be a multiple of block_n \\* n_per = 128"):
-        mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False,
-                           config=GemmConfig(16, 64, kind="swap", n_per=2))
