@@ -179,6 +179,9 @@ FLASH_UP16_CAP_MIN_ROWS = 0.0
 # 806.6 / 811.0 -> 806.2 / 810.0, T=128 1019.0 / 1014.4 -> 1007.4 / 997.9, T=256 1126.1 /
 # 1119.2 -> 1119.8 / 1125.8; same bits (136 -> 128 registers: 4 programs per SM, no stack).
 FLASH_DOWN16_CAP_MIN_ROWS = 0.2
+# The caps themselves (A/B switches; 128 = 4 programs per SM, 96 = 5 where shared memory allows).
+FLASH_UP16_MAXNREG = 128
+FLASH_DOWN16_MAXNREG = 128
 # Rows per local expert from which the Flash-shaped (I >= 2048) down takes its activations as
 # bf16 pairs (swiglu_quant writes them; see _base_configs; the split-K down of T = 1 keeps
 # fp8). NOTE (session 23, H200, layer bench as above, us, from 0.2 -> from 0.05 rows): Flash
@@ -382,13 +385,13 @@ def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str,
         # (113.0 vs 108.6 at T=16) slower (probe_swz_pairs_variants_269c2f5.txt). Session 23:
         # from 0.05 rows (T >= 3), see FLASH_UP16_CAP_MIN_ROWS; session 24: from 0 (T = 2 unsplit).
         if i >= 2048 and rows >= FLASH_UP16_CAP_MIN_ROWS and up.block_m == 16:
-            up = dataclasses.replace(up, maxnreg=128)
+            up = dataclasses.replace(up, maxnreg=FLASH_UP16_MAXNREG)
     if (down.kind == "swap" and down.split_k == 1 and mma64 and i >= 2048 and i % 128 == 0
             and rows >= FLASH_DOWN_PAIRS_MIN_ROWS):
         down = dataclasses.replace(down, a_bf16=True, unroll=2 if down.block_m == 32 else 1)
     if (down.kind == "swap" and down.block_m == 16 and down.split_k == 1 and mma64 and i >= 2048
             and rows >= FLASH_DOWN16_CAP_MIN_ROWS):
-        down = dataclasses.replace(down, maxnreg=128)
+        down = dataclasses.replace(down, maxnreg=FLASH_DOWN16_MAXNREG)
     # NOTE: the short-K down GEMM (Pro-TP8: K = I/tp = 384, three 128-blocks) on the swap
     # body: the K loop unrolled twice (fewer pipeline barriers per block) and, for 16-row
     # blocks from 0.05 routes per expert, a 128-register cap (147 -> 128 registers, 3 -> 4
