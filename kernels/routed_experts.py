@@ -154,8 +154,17 @@ PRO_SWAP32_MIN_ROWS = 16.0
 # the layer level at T = 64-256, 0.98x at 512 / 768; a 96-register cap on the down (5 programs
 # per SM, no spill, 0 hazards) was 1.03-1.08x on the GEMM at T = 4-512 and 0-3 % in the layer,
 # inside the spread between captures of one forward (up to 11 %). Both stay as they were.
+# Session 25 (docs/bench/2026-11-30/session25/, on bf16 pairs since session 24, A_PAD 2): the 96
+# cap on the down 1.09-1.17x per GEMM at T = 4-256 (probe, 3 rounds: T=16 53.3 -> 51.4 us, T=256
+# 234.0 -> 218.2); in the layer bench (graphs, rotated weights, two alternating runs each, us,
+# 128 -> 96) T=4 82.6 / 82.0 -> 82.8 / 82.2, T=8 125.6 / 124.8 -> 125.1 / 125.1, T=16 169.3 /
+# 169.5 -> 168.8 / 168.8, T=32 283.5 / 284.1 -> 281.7 / 281.3, T=64 397.1 / 397.6 -> 393.5 /
+# 392.7, T=256 620.9 / 621.0 -> 616.3 / 619.5, T=512 693.8 / 693.8 -> 691.0 / 693.8: small
+# but never slower from T = 8, so 96 (96 registers, no stack, 0 hazards offline on sm_90a).
+# PRO_UP16_MAXNREG: the gate_up's cap (112: 1.02-1.05x per GEMM at T = 16-256 in that probe).
 PRO_UP16_CAP_MAX_ROWS = float("inf")
-PRO_DOWN16_MAXNREG = 128
+PRO_UP16_MAXNREG = 128
+PRO_DOWN16_MAXNREG = 96
 # Rows per local expert from which the Pro-shaped (I <= 1024) short-K down on 16-row blocks takes
 # its activations as bf16 pairs (swiglu_quant writes them; same bits as fp8). NOTE (session 24,
 # H200, layer bench, graphs, rotated weights, two alternating runs each, docs/bench/2026-11-30/
@@ -247,7 +256,7 @@ def _mma64e_configs(up: GemmConfig, down: GemmConfig, i: int, rows: float = 0.0)
     #   / 154.0).
     if (up.kind == "swap" and up.block_m == 16 and up.split_k == 1 and i <= 1024 and up.a_bf16
             and up.maxnreg is None and rows < PRO_UP16_CAP_MAX_ROWS):
-        up = dataclasses.replace(up, maxnreg=128)
+        up = dataclasses.replace(up, maxnreg=PRO_UP16_MAXNREG)
     if down.kind == "swap" and down.block_m == 16 and i <= 1024 and down.maxnreg == 128:
         down = dataclasses.replace(down, maxnreg=PRO_DOWN16_MAXNREG)
     up, down = [dataclasses.replace(c, fold_order="wait") if c.fold_sa and c.fold_order == "split" else c

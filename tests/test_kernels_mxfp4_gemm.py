@@ -1023,9 +1023,9 @@ def test_a_pad_rows_same_bits(monkeypatch, kind):
     ("UP_SPLIT_PAIRS", False, lambda fl, pro: not fl(1)[0].a_bf16 and not pro(4)[0].a_bf16 and fl(2)[0].a_bf16),
     ("UP_PAIRS_MIN_ROWS", 0.05, lambda fl, pro: not fl(2)[0].a_bf16 and fl(3)[0].a_bf16),
     ("PRO_DOWN_PAIRS_MIN_ROWS", 0.0, lambda fl, pro: pro(1)[1].a_bf16 and pro(16)[1].a_bf16
-                                                     and pro(16)[1].maxnreg == 128 and pro(16)[1].unroll == 2),
+                                                     and pro(16)[1].maxnreg == 96 and pro(16)[1].unroll == 2),
     ("PRO_DOWN_PAIRS_MIN_ROWS", float("inf"), lambda fl, pro: not pro(4)[1].a_bf16 and not pro(16)[1].a_bf16
-                                                              and pro(16)[1].maxnreg == 128),
+                                                              and pro(16)[1].maxnreg == 96),
 ])
 def test_session23_config_switches(monkeypatch, name, value, check):
     import dsv4_moe.kernels.routed_experts as rx
@@ -1034,11 +1034,11 @@ def test_session23_config_switches(monkeypatch, name, value, check):
         return lambda t: rx._routed_configs(t * 6, e, i, h, "mma64e", True, True, True)
     fl, pro = cfgs(256, 2048, 4096), cfgs(384, 384, 7168)
     # the defaults: Flash down on pairs from T = 2, both Flash 16-row caps, Pro-TP8 down on pairs
-    # from T = 4 (session 24; fp8 below)
+    # from T = 4 (session 24; fp8 below), its 16-row cap 96 (session 25)
     rx._routed_configs.cache_clear()
     assert fl(4)[1].a_bf16 and fl(16)[1].maxnreg == 128 and fl(4)[0].maxnreg == 128
     assert not pro(1)[1].a_bf16 and not pro(3)[1].a_bf16
-    assert pro(4)[1].a_bf16 and pro(16)[1].a_bf16 and pro(16)[1].maxnreg == 128 and pro(16)[1].unroll == 2
+    assert pro(4)[1].a_bf16 and pro(16)[1].a_bf16 and pro(16)[1].maxnreg == 96 and pro(16)[1].unroll == 2
     monkeypatch.setattr(rx, name, value)
     rx._routed_configs.cache_clear()
     try:
