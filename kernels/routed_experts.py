@@ -161,9 +161,14 @@ PRO_SWAP32_MIN_ROWS = 16.0
 # 169.5 -> 168.8 / 168.8, T=32 283.5 / 284.1 -> 281.7 / 281.3, T=64 397.1 / 397.6 -> 393.5 /
 # 392.7, T=256 620.9 / 621.0 -> 616.3 / 619.5, T=512 693.8 / 693.8 -> 691.0 / 693.8: small
 # but never slower from T = 8, so 96 (96 registers, no stack, 0 hazards offline on sm_90a).
-# PRO_UP16_MAXNREG: the gate_up's cap (112: 1.02-1.05x per GEMM at T = 16-256 in that probe).
+# PRO_UP16_MAXNREG: the gate_up's cap; 112 (112 registers, no stack, 0 hazards) was 1.02-1.05x
+# per GEMM at T = 16-256 in that probe (T=16 81.5 -> 77.4 us), in the layer (as above, 128 ->
+# 112) T=16 169.5 / 169.1 -> 168.3 / 167.8, T=24 223.8 / 223.5 -> 223.3 / 223.7, T=32 281.6 /
+# 281.7 -> 281.6 / 281.2, T=64 395.5 / 393.6 -> 393.9 / 393.7, T=128 536.1 / 533.7 -> 532.1 /
+# 534.0, T=256 614.7 / 614.8 -> 614.9 / 612.2, T=512 687.3 / 680.5 -> 678.4 / 682.6: level to
+# 0.7 %, never slower, so 112.
 PRO_UP16_CAP_MAX_ROWS = float("inf")
-PRO_UP16_MAXNREG = 128
+PRO_UP16_MAXNREG = 112
 PRO_DOWN16_MAXNREG = 96
 # Rows per local expert from which the Pro-shaped (I <= 1024) short-K down on 16-row blocks takes
 # its activations as bf16 pairs (swiglu_quant writes them; same bits as fp8). NOTE (session 24,
@@ -256,9 +261,11 @@ def _mma64e_configs(up: GemmConfig, down: GemmConfig, i: int, rows: float = 0.0)
     #   / 154.0).
     if (up.kind == "swap" and up.block_m == 16 and up.split_k == 1 and i <= 1024 and up.a_bf16
             and up.maxnreg is None and rows < PRO_UP16_CAP_MAX_ROWS):
-        up = dataclasses.replace(up, maxnreg=PRO_UP16_MAXNREG)
+        # the session-25 caps were measured folded; per-block (DSV4_MOE_FOLD_SWAP=0) they spill
+        # (offline sm_90a: 40 / 120 stack bytes), so that body keeps 128
+        up = dataclasses.replace(up, maxnreg=PRO_UP16_MAXNREG if up.fold_sa else 128)
     if down.kind == "swap" and down.block_m == 16 and i <= 1024 and down.maxnreg == 128:
-        down = dataclasses.replace(down, maxnreg=PRO_DOWN16_MAXNREG)
+        down = dataclasses.replace(down, maxnreg=PRO_DOWN16_MAXNREG if down.fold_sa else 128)
     up, down = [dataclasses.replace(c, fold_order="wait") if c.fold_sa and c.fold_order == "split" else c
                 for c in (up, down)]
     return up, down
