@@ -95,21 +95,31 @@ def _route_topk_kernel(
     HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
     APPLY_SCORES: tl.constexpr = False,  # GPU only: read logits, apply _sqrt_softplus here
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
+    PACKED: tl.constexpr = False,  # one packed (score, index) max per round (_topk_token)
 ):
     pdl_enter(PDL)
     _topk_token(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out_ids_ptr,
                 tl.program_id(0).to(tl.int64), E, stride_s, stride_tab, scale,
-                TOP_K, K_PAD, E_PAD, HAS_BIAS, HASH, APPLY_SCORES)
+                TOP_K, K_PAD, E_PAD, HAS_BIAS, HASH, APPLY_SCORES, PACKED)
 
 
 @triton.jit
 def _topk_token(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out_ids_ptr,
                 t, E, stride_s, stride_tab, scale,
                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                HAS_BIAS: tl.constexpr, HASH: tl.constexpr, APPLY_SCORES: tl.constexpr):
+                HAS_BIAS: tl.constexpr, HASH: tl.constexpr, APPLY_SCORES: tl.constexpr,
+                PACKED: tl.constexpr = False):
     """Route token t (the top-k program's body; `_topk_tokens` is its all-tokens-at-once
     twin). Selection, gather and the renormalisation are exact selects and a fixed
-    left-to-right sum, so the result does not depend on the program's warps."""
+    left-to-right sum, so the result does not depend on the program's warps.
+
+    PACKED: each round is one int64 max over keys (order-preserving bits of the biased
+    score) << 32 | (E_PAD - 1 - index), which yields the largest score and, among exact
+    ties, the lowest index - the same pick as max + lowest-index min - and the unbiased
+    scores of the k picks are gathered once after the rounds (the same one-element
+    select-sums), so the same bits with one block-wide reduction per round instead of
+    three. The biased score gets + 0.0 first so that -0.0 and +0.0 tie, as they compare
+    equal in the unpacked rounds."""
     col = tl.arange(0, E_PAD)
     in_range = col < E
     scores = tl.load(scores_ptr + t * stride_s + col, mask=in_range, other=0.0)
@@ -130,14 +140,27 @@ def _topk_token(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out
         if HAS_BIAS:
             biased = scores + tl.load(bias_ptr + col, mask=in_range, other=0.0)
         biased = tl.where(in_range, biased, float("-inf"))
-        for j in tl.static_range(TOP_K):
-            m = tl.max(biased, axis=0)
-            e = tl.min(tl.where(biased == m, col, E_PAD), axis=0)
-            hit = col == e
-            s = tl.sum(tl.where(hit, scores, 0.0), axis=0)  # the unbiased score
-            sel_ids = tl.where(kk == j, e, sel_ids)
-            sel_w = tl.where(kk == j, s, sel_w)
-            biased = tl.where(hit, float("-inf"), biased)
+        if PACKED:
+            bits = (biased + 0.0).to(tl.int32, bitcast=True)
+            ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order = float order
+            key = (ordered.to(tl.int64) << 32) | (E_PAD - 1 - col).to(tl.int64)
+            for j in tl.static_range(TOP_K):
+                kmax = tl.max(key, axis=0)
+                e = (E_PAD - 1 - (kmax & 0xFFFFFFFF)).to(tl.int32)
+                sel_ids = tl.where(kk == j, e, sel_ids)
+                key = tl.where(col == e, -9223372036854775807 - 1, key)
+            valid_k = kk < TOP_K
+            sel_w = tl.sum(tl.where((col[None, :] == sel_ids[:, None]) & valid_k[:, None], scores[None, :], 0.0),
+                           axis=1)  # the unbiased scores
+        else:
+            for j in tl.static_range(TOP_K):
+                m = tl.max(biased, axis=0)
+                e = tl.min(tl.where(biased == m, col, E_PAD), axis=0)
+                hit = col == e
+                s = tl.sum(tl.where(hit, scores, 0.0), axis=0)  # the unbiased score
+                sel_ids = tl.where(kk == j, e, sel_ids)
+                sel_w = tl.where(kk == j, s, sel_w)
+                biased = tl.where(hit, float("-inf"), biased)
     # rank of slot j among the k ids: ties (hash duplicates) broken by slot order
     valid = kk < TOP_K
     a = sel_ids[:, None]

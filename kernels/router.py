@@ -47,6 +47,10 @@ _E_MAX = 4096  # one register vector per token; DeepSeek-V4 has E <= 384
 #                          T=8 11.93 vs 18.98
 # (the session-4 router, cuBLAS + torch softplus + sqrt + top-k: 14.2-15.3 us at T <= 4).
 GEMV_MAX_T = 4
+# The top-k kernel's launch: warps per token program (0: 4 for E > 256, else 2) and the packed
+# selection (one int64 max per round, _router._topk_token); same bits either way. A/B switches.
+TOPK_WARPS = 0
+TOPK_PACKED = False
 _LOGITS_IMPLS = ("auto", "gemv", "mm")
 _SCORES_IMPLS = ("auto", "kernel", "torch")
 _MM_OUT_DTYPE_OK: dict[str, bool] = {}
@@ -191,7 +195,7 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         float(routed_scaling_factor),
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(e),
         HAS_BIAS=bias is not None, HASH=hashed, APPLY_SCORES=apply_scores,
-        num_warps=4 if e > 256 else 2,
+        num_warps=TOPK_WARPS if TOPK_WARPS else (4 if e > 256 else 2), PACKED=TOPK_PACKED,
         # NOTE: libdevice without flush-to-zero, as nvcc builds torch: with Triton's default
         # (ftz) the scores of 2,180,453 fp32 logits in [-103.97, -87.34] (torch's softplus
         # is subnormal there) came out 0 instead of torch's value (exhaustive H200 check)

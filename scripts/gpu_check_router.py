@@ -1,7 +1,7 @@
 """H200 check + probe of the decode front end: the router (kernels/router.py: in-kernel
 scores, the logits GEMV) and moe_align's one-launch decode kernel.
 
-    OUT=./out python3 scripts/gpu_check_router.py [--parts scores,ids,align,time] [--budget-s 200]
+    OUT=./out python3 scripts/gpu_check_router.py [--parts scores,ids,align,time,topk] [--budget-s 200]
 
 scores  every fp32 bit pattern (2^32, in chunks): `_sqrt_softplus` (libdevice log1p/exp,
         IEEE sqrt) against torch.sqrt(F.softplus(x)) on the same GPU; must be bitwise
@@ -16,6 +16,8 @@ align   moe_align impl="small" (one launch) == impl="chunked" (three) on the GPU
 time    CUDA-graph replay, gate weights rotated over 32 copies (so the 60 MB L2 does not
         hold them): the session-4 router (cuBLAS + torch softplus/sqrt + top-k) against
         cuBLAS + in-kernel scores and GEMV + in-kernel scores, and GEMV block variants.
+topk    (not in the default parts) the top-k kernel's launch switches (router.TOPK_PACKED /
+        TOPK_WARPS): route_topk bitwise the default and its graph time per variant.
 Writes $OUT/router.json and prints one line per row.
 """
 from __future__ import annotations
@@ -213,6 +215,45 @@ def time_router(budget_s, tokens=(1, 2, 4, 8, 16, 32, 64, 256, 1024)):
                 emit(check="time", shape=name, T=t, variant=label, us=us, TBps=e * h * 2 / us / 1e6)
 
 
+def topk_variants(tokens, rounds=3):
+    """route_topk (auto) under the top-k kernel's launch switches (router.TOPK_PACKED /
+    TOPK_WARPS, session 25): ids and weights bitwise the default on every shape, and the
+    CUDA-graph time of 32 calls on rotated gate weights, rounds interleaved (min)."""
+    import dsv4_moe.kernels.router as router
+
+    variants = {"default (4/2 warps)": (False, 0), "packed": (True, 0), "packed 1 warp": (True, 1),
+                "packed 2 warps": (True, 2), "1 warp": (False, 1)}
+    g = torch.Generator(device=DEV).manual_seed(5)
+    saved = (router.TOPK_PACKED, router.TOPK_WARPS)
+    try:
+        for name, e, h in (("flash", 256, 4096), ("pro", 384, 7168)):
+            copies = 32
+            ws = [(torch.randn(e, h, device=DEV, generator=g) * 0.02).bfloat16() for _ in range(copies)]
+            bias = torch.randn(e, device=DEV, generator=g) * 0.01
+            for t in tokens:
+                xs = [torch.randn(t, h, device=DEV, generator=g).bfloat16() for _ in range(copies)]
+                outs, res = {}, {}
+                for label, (packed, warps) in variants.items():
+                    router.TOPK_PACKED, router.TOPK_WARPS = packed, warps
+                    outs[label] = [route_topk(xs[c], ws[c], bias, None, None, 6, 1.5) for c in range(4)]
+                for _ in range(rounds):
+                    for label, (packed, warps) in variants.items():
+                        router.TOPK_PACKED, router.TOPK_WARPS = packed, warps
+
+                        def fn():
+                            for c in range(copies):
+                                route_topk(xs[c], ws[c], bias, None, None, 6, 1.5)
+                        res.setdefault(label, []).append(graph_us(fn, inner=1) / copies)
+                base = next(iter(variants))
+                for label in variants:
+                    same = all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+                               for a, b in zip(outs[label], outs[base]))
+                    emit(check="topk_variant", shape=name, T=t, variant=label, us=min(res[label]),
+                         ids_equal=same, ok=same)
+    finally:
+        router.TOPK_PACKED, router.TOPK_WARPS = saved
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="scores,ids,align,time")
@@ -233,6 +274,8 @@ def main():
         check_align()
     if "time" in parts:
         time_router(args.budget_s, tuple(int(v) for v in args.tokens.split(",")))
+    if "topk" in parts:
+        topk_variants(tuple(int(v) for v in args.tokens.split(",")))
     with open(os.path.join(out, "router.json"), "w") as f:
         json.dump(ROWS, f, indent=1, default=str)
     bad = [r for r in ROWS if r.get("ok") is False or r.get("ids_equal") is False]
