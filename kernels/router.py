@@ -48,9 +48,19 @@ _E_MAX = 4096  # one register vector per token; DeepSeek-V4 has E <= 384
 # (the session-4 router, cuBLAS + torch softplus + sqrt + top-k: 14.2-15.3 us at T <= 4).
 GEMV_MAX_T = 4
 # The top-k kernel's launch: warps per token program (0: 4 for E > 256, else 2) and the packed
-# selection (one int64 max per round, _router._topk_token); same bits either way. A/B switches.
+# selection (one int64 max per round instead of max + min + sum, _router._topk_token) up to
+# TOPK_PACKED_MAX_T tokens; same bits either way. A/B switches. NOTE (session 25, H200,
+# gpu_check_router.py --parts topk, docs/bench/2026-11-30/session25/, route_topk (GEMV or cuBLAS
+# logits + top-k) in a graph of 32 calls on rotated gate weights, us per call, default ->
+# packed): Flash T=1 5.68 -> 5.08, T=4 6.68 -> 6.08, T=16 10.08 -> 9.49, T=256 11.10 -> 10.60,
+# T=1024 14.74 -> 14.68; Pro T=1 7.49 -> 6.68, T=4 9.88 -> 9.07, T=16 11.06 -> 10.26, T=256 12.64
+# -> 12.01, T=1024 21.88 -> 22.42; ids and weights bitwise at every T. One warp: slower on Pro
+# (T=1 7.64). Layer bench (one run each, us, default -> packed): Pro-TP8 T=1 45.4 / 45.8 ->
+# 45.1, T=4 82.5 / 82.3 -> 81.7, T=8 125.9 / 125.9 -> 124.8, T=16 166.9 / 166.2 -> 165.2; Flash
+# T=1 66.4 -> 65.8, T=2 94.3 -> 93.4, T=4 137.9 -> 138.7.
 TOPK_WARPS = 0
-TOPK_PACKED = False
+TOPK_PACKED = True
+TOPK_PACKED_MAX_T = 256
 _LOGITS_IMPLS = ("auto", "gemv", "mm")
 _SCORES_IMPLS = ("auto", "kernel", "torch")
 _MM_OUT_DTYPE_OK: dict[str, bool] = {}
@@ -195,7 +205,8 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         float(routed_scaling_factor),
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(e),
         HAS_BIAS=bias is not None, HASH=hashed, APPLY_SCORES=apply_scores,
-        num_warps=TOPK_WARPS if TOPK_WARPS else (4 if e > 256 else 2), PACKED=TOPK_PACKED,
+        num_warps=TOPK_WARPS if TOPK_WARPS else (4 if e > 256 else 2),
+        PACKED=TOPK_PACKED and t <= TOPK_PACKED_MAX_T,
         # NOTE: libdevice without flush-to-zero, as nvcc builds torch: with Triton's default
         # (ftz) the scores of 2,180,453 fp32 logits in [-103.97, -87.34] (torch's softplus
         # is subnormal there) came out 0 instead of torch's value (exhaustive H200 check)

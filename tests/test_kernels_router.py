@@ -158,6 +158,7 @@ def test_packed_selection_same_bits(monkeypatch, e, k, bias_kind):
     if bias_kind == "zero-sum":
         x = x[:1].expand(t, h).contiguous()  # every token the one whose scores the bias cancels
     out = {}
+    assert router.TOPK_PACKED and router.TOPK_PACKED_MAX_T >= t  # the default (session 25)
     for packed, warps in ((False, 0), (True, 0), (True, 1), (False, 1)):
         monkeypatch.setattr(router, "TOPK_PACKED", packed)
         monkeypatch.setattr(router, "TOPK_WARPS", warps)
