@@ -3,7 +3,9 @@ gather, renormalise, sort by id (with the sqrt(softplus) scores applied in-kerne
 
 Top-k: one program per token. The token's E scores (fp32 `sqrt(softplus(logits))`, given
 or computed from the logits by `_sqrt_softplus`) sit in one register vector of E_PAD lanes (E <= 512 in every DeepSeek-V4 config).
-Selection is k rounds of "max, then the lowest index holding it" — the lowest-index
+Selection is k rounds of "max, then the lowest index holding it" (up to
+router.TOPK_PACKED_MAX_T tokens as one packed (score, index) int64 max per round, the same
+pick; see _topk_token) — the lowest-index
 tie-break is what `torch.topk` does on CPU and CUDA for exact ties in practice, but it
 is not documented, so tests count ties instead of relying on it. The k chosen
 (id, weight) pairs are then written at their rank among the k ids (a k x k compare),
