@@ -193,6 +193,60 @@ def _swiglu_quant_rows_kernel(
                           stride_qm, stride_sm, stride_sg, stride_pm, SCALE_FMT, HAS_RW, USE_LIBDEVICE, PAIRS)
 
 
+@triton.jit
+def _swiglu_quant_partials_kernel(
+    ws_ptr, q_ptr, s_ptr, rw_ptr, p_ptr, rows_ptr,
+    M, M_S, I, limit, R,
+    stride_qm, stride_sm, stride_sg, stride_pm,
+    NUM_PARTS: tl.constexpr, SCALE_FMT: tl.constexpr, HAS_RW: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr, PAIRS: tl.constexpr = 0,
+    PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
+):
+    """Program (r, g): route r's group g, its gate / up columns summed from the split-K
+    GEMM's fp32 partials ws [NUM_PARTS, R, 2I] in part order from +0.0 and rounded to bf16
+    (what `_split_k_reduce_kernel` writes to the GEMM row rows[r]), then the rows kernel's
+    steps at that row. rows[r] outside [0, M) (< 0: a route not on this rank): nothing
+    loaded or stored."""
+    pdl_enter(PDL)
+    r = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
+    g = tl.program_id(1)
+    row = tl.load(rows_ptr + r, mask=r < R, other=-1)
+    ok = (row >= 0) & (row < M)
+    rows = tl.where(ok, row, M).to(tl.int64)  # M: out of range, so masked everywhere
+    cols = g * 128 + tl.arange(0, 128)
+    mask = ok[:, None] & (cols < I)[None, :]
+    base = ws_ptr + r[:, None] * (2 * I) + cols[None, :]
+    acc_g = tl.zeros([1, 128], dtype=tl.float32)
+    acc_u = tl.zeros([1, 128], dtype=tl.float32)
+    # NOTE: unrolled like _split_k_reduce_kernel (independent loads issue together; the adds
+    # stay in part order)
+    for p in tl.static_range(NUM_PARTS):
+        acc_g += tl.load(base + p * R * (2 * I), mask=mask, other=0.0)
+        acc_u += tl.load(base + p * R * (2 * I) + I, mask=mask, other=0.0)
+    gate = round_to_bf16(acc_g, not USE_LIBDEVICE).to(tl.bfloat16)
+    up = round_to_bf16(acc_u, not USE_LIBDEVICE).to(tl.bfloat16)
+    if HAS_RW:
+        w = tl.load(rw_ptr + rows, mask=ok, other=0.0)
+    else:
+        w = ok.to(tl.float32)  # unused
+    _swiglu_compute_store(gate, up, w, ok, q_ptr, s_ptr, p_ptr, rows, g, M, M_S, I, limit,
+                          stride_qm, stride_sm, stride_sg, stride_pm, SCALE_FMT, HAS_RW, USE_LIBDEVICE, PAIRS)
+
+
+def launch_swiglu_quant_partials(ws, q_u8, s, rw, rows, m: int, m_s: int, limit: float,
+                                 scale_fmt_code: int, pairs=None, pairs_scaled: bool = False) -> None:
+    parts, r, two_i = ws.shape
+    i = two_i // 2
+    dummy = ws  # never dereferenced when the matching flag is off
+    if r:
+        _swiglu_quant_partials_kernel[(r, triton.cdiv(i, 128))](
+            ws, q_u8, s, rw if rw is not None else dummy, pairs if pairs is not None else dummy, rows,
+            m, m_s, i, float(limit), r, q_u8.stride(0), s.stride(0), s.stride(1),
+            pairs.stride(0) if pairs is not None else 0,
+            NUM_PARTS=parts, SCALE_FMT=scale_fmt_code, HAS_RW=rw is not None, USE_LIBDEVICE=not interpreting(),
+            PAIRS=0 if pairs is None else 2 if pairs_scaled else 1, num_warps=1, **pdl_options(ws.device))
+
+
 def launch_swiglu_quant(gate_up, q_u8, s, rw, ids, emap, m_s: int, limit: float,
                         scale_fmt_code: int, strategy: str, num_sms: int, pairs=None, rows=None,
                         pairs_scaled: bool = False) -> None:

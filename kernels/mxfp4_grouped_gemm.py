@@ -80,7 +80,7 @@ LONG_K_SPLIT_MID_MAX_N = 2048
 MID_K_SPLIT = 4
 MID_K_SPLIT_MAX_ROWS = 0.03
 
-__all__ = ["GemmConfig", "select_config", "gemv_config", "mxfp4_grouped_gemm"]
+__all__ = ["GemmConfig", "select_config", "gemv_config", "mxfp4_grouped_gemm", "split_parts"]
 
 
 @dataclass(frozen=True)
@@ -262,8 +262,14 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
                        align: MoeAlignment, *, gather_a: bool, scatter_out: bool,
                        out: torch.Tensor | None = None, config: GemmConfig | None = None,
                        layout: str = "nk", a_pairs: torch.Tensor | None = None,
-                       a_pairs_scaled: bool = False) -> torch.Tensor:
+                       a_pairs_scaled: bool = False, reduce: bool = True) -> torch.Tensor:
     """Grouped W4A8 GEMM over the blocks of `align`; see the module docstring for layouts.
+
+    `reduce=False` (only for a config that splits K, `split_parts(config, K) > 1`): return
+    the fp32 partials [P, R, N] by route instead of `out` - each local route's output row is
+    bf16(+0.0 + partials[0, r] + ... + partials[P-1, r]), the sum the reduce launch would
+    make (rows of non-local routes are unspecified) - and leave the reduction to the
+    consumer (`swiglu_quant_partials`); `out` is then not written.
 
     `a_pairs` (optional, only with config.a_bf16): `bf16_pairs(q)` made by the caller (e.g.
     by act_quant / swiglu_quant in the same kernel that wrote q), so no conversion runs here;
@@ -312,7 +318,12 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
                       ("align.sorted_route_ids", align.sorted_route_ids)):
         if ten.device != q.device:
             raise ValueError(f"{name}: on {ten.device}, expected q's device {q.device}")
+    if not reduce and split_parts(cfg, k) == 1:
+        raise ValueError(f"reduce=False: config={cfg!r} does not split K={k}, so there are no partials "
+                         f"to hand over (split_parts(config, K) = 1)")
     if align.num_routes == 0 or align.max_blocks == 0:
+        if not reduce:  # no local route: nothing to sum, every row unspecified
+            return torch.empty((split_parts(cfg, k), align.num_routes, n), dtype=torch.float32, device=q.device)
         return out
     import triton  # noqa: PLC0415
 
@@ -345,7 +356,7 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
                          f"SASS (scripts/sass_wgmma_hazard.py) against ptxas < 13.3 reusing an in-flight "
                          f"wgmma's registers")
     if cfg.kind != "tile":
-        return _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz, enc)
+        return _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz, enc, reduce)
     grid = (align.max_blocks, triton.cdiv(n, cfg.block_n))
     _mxfp4_grouped_gemm_kernel[grid](
         q, sa, w4, sw, out,
@@ -383,16 +394,31 @@ def bf16_pairs(q: torch.Tensor, sa: torch.Tensor | None = None) -> torch.Tensor:
     return out
 
 
-def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz, enc=False):
-    """The "swap" and "gemv" bodies, optionally split over K with an ordered reduction."""
+def _split_shape(split_k: int, k: int) -> tuple[int, int]:
+    """(splits, 128-blocks per split) of a split-K launch over K."""
+    kb = -(-k // 128)
+    kb_per = -(-kb // min(split_k, kb))
+    return -(-kb // kb_per), kb_per
+
+
+def split_parts(config: GemmConfig, k: int) -> int:
+    """The fp32 partials per output element that `config` writes over reduction length K
+    (1: the GEMM does not split, its output is final): one per split with fold_sa, one per
+    128-block without."""
+    if config.kind == "tile" or _split_shape(config.split_k, k)[0] == 1:
+        return 1
+    return _split_shape(config.split_k, k)[0] if config.fold_sa else -(-k // 128)
+
+
+def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz, enc=False, reduce=True):
+    """The "swap" and "gemv" bodies, optionally split over K with an ordered reduction
+    (reduce=False: the partials are returned unreduced)."""
     import triton  # noqa: PLC0415
 
     from ._mxfp4_grouped_gemm import _mxfp4_gemv_kernel, _mxfp4_grouped_gemm_swap_kernel, _split_k_reduce_kernel
     from ._triton_utils import interpreting, pdl_options
     kb = -(-k // 128)
-    splits = min(cfg.split_k, kb)
-    kb_per = -(-kb // splits)
-    splits = -(-kb // kb_per)
+    splits, kb_per = _split_shape(cfg.split_k, k)
     split = splits > 1
     r = align.num_routes
     # one fp32 partial per 128-block, summed in block order after; with fold_sa one per split
@@ -418,6 +444,8 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
                                               A_PAD=A_PAD_ROWS, **common)
     else:
         _mxfp4_gemv_kernel[grid](*args, UNROLL=cfg.unroll, **common)
+    if split and not reduce:
+        return ws
     if split:
         # one route x 128 columns per program (16-byte loads, 1 warp): at decode (6 routes)
         # the 4 x 256 tiles gave 6-18 programs for the whole reduction

@@ -9,6 +9,9 @@
                                                          the rows of local routes
     y     = mxfp4_grouped_gemm(hq, hs, down)            rows scattered to slot r = t*k + slot
 
+A gate_up split over K (decode) returns its fp32 partials (reduce=False) and
+swiglu_quant_partials sums them before the SwiGLU, so gu is never written (SWIGLU_SUMS_SPLIT).
+
     q             [T, H]            float8_e4m3fn   act_quant(x)
     q_pairs       [T, H] or None    bfloat16        act_quant(x, pairs=True)[2]: bf16(q) in
                                                     the "pairs" layout, for a gate_up config
@@ -38,7 +41,7 @@ from dsv4_moe.weights.mma_layout import TILED_LAYOUTS
 from dsv4_moe.weights.tensors import RoutedExpertWeights
 
 from .moe_align import MoeAlignment, moe_align
-from .mxfp4_grouped_gemm import GemmConfig, gemv_config, mxfp4_grouped_gemm, select_config
+from .mxfp4_grouped_gemm import GemmConfig, gemv_config, mxfp4_grouped_gemm, select_config, split_parts
 
 __all__ = ["routed_experts_forward", "routed_configs", "pairs_mode"]
 
@@ -55,6 +58,12 @@ __all__ = ["routed_experts_forward", "routed_configs", "pairs_mode"]
 # 1549.7 -> 1517.9, T=1024 2218.5 -> 2153.9; Pro-TP8 T=2 68.7 -> 68.0, T=3 85.6 -> 84.2, T=4
 # 105.0 -> 103.7, T=64 524.5 -> 510.3, T=1024 1194.0 -> 1184.7.
 SWIGLU_ROUTE_LIST_MIN_ROUTES = 12
+
+# A split-K gate_up (decode: Pro-shaped T <= 12, Flash-shaped T = 1) hands its fp32 partials
+# to the fused SwiGLU-quant, which sums them in order and rounds to bf16 as the reduce launch
+# did (`swiglu_quant_partials`): one launch fewer, the same bits (the unfused twin keeps
+# the reduce launch). A/B switch.
+SWIGLU_SUMS_SPLIT = True
 
 # The routed GEMMs can take their activation scale folded into the bf16 operand
 # (GemmConfig.fold_sa; act_quant / swiglu_quant write "scaled pairs"): by default all of them
@@ -496,12 +505,15 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
     if t * k == 0:
         return (y.view(t, k, h), align) if return_alignment else y.view(t, k, h)
     from ._triton_utils import interpreting
-    from .swiglu_quant import swiglu_quant, swiglu_quant_unfused  # SPEC §5.1
+    from .swiglu_quant import swiglu_quant, swiglu_quant_partials, swiglu_quant_unfused  # SPEC §5.1
 
+    # the split-K gate_up hands its partials to the SwiGLU-quant, which sums them (SWIGLU_SUMS_SPLIT)
+    partials = swiglu == "fused" and SWIGLU_SUMS_SPLIT and split_parts(cfg_up, h) > 1
     gu = mxfp4_grouped_gemm(q, sa, routed.gate_up, routed.gate_up_scale, align,
                             gather_a=True, scatter_out=False, config=cfg_up, layout=routed.layout,
                             a_pairs=q_pairs if cfg_up.a_bf16 else None,
-                            a_pairs_scaled=cfg_up.fold_sa and cfg_up.a_bf16 and q_pairs is not None)
+                            a_pairs_scaled=cfg_up.fold_sa and cfg_up.a_bf16 and q_pairs is not None,
+                            reduce=not partials)
     # NOTE (session 13): from SWIGLU_ROUTE_LIST_MIN_ROUTES routes the SwiGLU-quant works on the
     # route list (align.route_rows: the GEMM row of each local route), not on the
     # alignment's max_rows rows - at decode most of those are block padding (Flash T = 16:
@@ -512,7 +524,10 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
     # load) is needed.
     use_list = t * k >= SWIGLU_ROUTE_LIST_MIN_ROUTES
     sel = dict(rows=align.route_rows) if use_list else dict(expert_ids=align.row_expert)
-    if swiglu == "fused":
+    if partials:
+        hq, hs, *hp = swiglu_quant_partials(gu, align.route_rows, align.max_rows, limit=float(limit),
+                                            route_weight=align.row_weight, pairs=pairs_mode(cfg_down))
+    elif swiglu == "fused":
         if not use_list and interpreting():  # the persistent grid's runtime-bound loop
             sel["strategy"] = "group"
         hq, hs, *hp = swiglu_quant(gu, limit=float(limit), route_weight=align.row_weight,

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 
 from .act_quant import act_quant, alloc_scales, check_pairs_out, check_scales_out, pairs_scaled, scale_fmt_code
 
-__all__ = ["swiglu_quant", "swiglu_quant_unfused", "choose_strategy", "PERSISTENT_MIN_ELEMENTS"]
+__all__ = ["swiglu_quant", "swiglu_quant_partials", "swiglu_quant_unfused", "choose_strategy",
+           "PERSISTENT_MIN_ELEMENTS"]
 
 _BLOCK = 128
 
@@ -184,6 +185,63 @@ def swiglu_quant(gate_up: torch.Tensor, *, limit: float = 10.0,
     s_view = out_s.view(torch.uint8) if out_s.dtype == torch.float8_e8m0fnu else out_s
     launch_swiglu_quant(gate_up, out_q.view(torch.uint8), s_view, route_weight, expert_ids, expert_map,
                         m_s, limit, code, strategy, num_sms, p, rows, pairs_scaled=scaled)
+    return (out_q, out_s, p) if pairs else (out_q, out_s)
+
+
+def swiglu_quant_partials(partials: torch.Tensor, rows: torch.Tensor, num_rows: int, *, limit: float = 10.0,
+                          route_weight: Optional[torch.Tensor] = None, scale_fmt: str = "fp32",
+                          out_q: Optional[torch.Tensor] = None, out_s: Optional[torch.Tensor] = None,
+                          pairs: "bool | str" = False,
+                          out_pairs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
+    """`swiglu_quant(gate_up, rows=rows, ...)` on the split-K partials of gate_up, with the
+    reduction folded in (one launch instead of the GEMM's reduce kernel and this one):
+
+        gate_up[rows[r]] = bf16(+0.0 + partials[0, r] + partials[1, r] + ...)   (fp32 adds, in order)
+
+    which is what `mxfp4_grouped_gemm(..., reduce=True)` writes, so the outputs are bitwise
+    those of the reduce followed by `swiglu_quant(..., rows=rows)`; gate_up is never written.
+
+    Args:
+        partials      [P, R, 2I]  float32  `mxfp4_grouped_gemm(..., reduce=False)`: route r's
+                                           P partial sums (non-local routes' are never read)
+        rows          [R]         int32    the GEMM row of each route, < 0 where not local
+                                           (`MoeAlignment.route_rows`; each row at most once)
+        num_rows      int                  M, the rows of q / s / pairs (the alignment's max_rows)
+        limit, route_weight [M], scale_fmt ("fp32" | "e8m0" | "amax"), out_q, out_s, pairs,
+        out_pairs                          as `swiglu_quant`; rows never listed keep their bytes
+    Returns:
+        q [M, I] float8_e4m3fn;  s [M, G];  p [M, I] bfloat16, only with pairs
+    """
+    fn = "swiglu_quant_partials"
+    code = scale_fmt_code(scale_fmt, fn)
+    scaled = pairs_scaled(pairs, fn, scale_fmt)
+    if not isinstance(partials, torch.Tensor) or partials.dim() != 3 or partials.dtype != torch.float32:
+        raise ValueError(f"{fn}: partials must be a float32 [P, R, 2I] tensor, got "
+                         f"{getattr(partials, 'dtype', type(partials))} "
+                         f"{tuple(getattr(partials, 'shape', ()))}")
+    p_n, r, two_i = partials.shape
+    if p_n < 1 or two_i == 0 or two_i % 2:
+        raise ValueError(f"{fn}: partials.shape={tuple(partials.shape)}, expected P >= 1 and an even 2I > 0")
+    if not partials.is_contiguous():
+        raise ValueError(f"{fn}: partials must be contiguous, strides {tuple(partials.stride())}")
+    if not isinstance(num_rows, int) or num_rows < 0:
+        raise ValueError(f"{fn}: num_rows={num_rows!r}, expected an int >= 0")
+    m, i, dev = num_rows, two_i // 2, partials.device
+    _check_rows(fn, rows, m, dev, scale_fmt)
+    if rows.shape[0] != r:
+        raise ValueError(f"{fn}: rows has {rows.shape[0]} entries, partials {r} routes")
+    if route_weight is not None and (route_weight.dtype != torch.float32 or tuple(route_weight.shape) != (m,)
+                                     or route_weight.device != dev or (m > 1 and route_weight.stride(0) != 1)):
+        raise ValueError(f"{fn}: route_weight must be a contiguous float32 [{m}] on {dev}, got "
+                         f"{route_weight.dtype} {tuple(route_weight.shape)} on {route_weight.device}")
+    out_q, out_s = _outputs(fn, m, i, scale_fmt, dev, out_q, out_s)
+    p = _pairs_out(fn, pairs, out_pairs, m, i, dev)
+    if m and r:
+        from ._swiglu_quant import launch_swiglu_quant_partials
+
+        s_view = out_s.view(torch.uint8) if out_s.dtype == torch.float8_e8m0fnu else out_s
+        launch_swiglu_quant_partials(partials, out_q.view(torch.uint8), s_view, route_weight, rows, m,
+                                     out_s.shape[0], limit, code, p, pairs_scaled=scaled)
     return (out_q, out_s, p) if pairs else (out_q, out_s)
 
 

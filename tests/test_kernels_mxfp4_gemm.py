@@ -147,6 +147,65 @@ def test_swiglu_on_route_list_bitwise(monkeypatch, swiglu):
     assert torch.equal(ys[0][local].view(torch.int16), ys[1][local].view(torch.int16))
 
 
+@pytest.mark.parametrize("fold", [False, True], ids=["per-block-partials", "folded-per-split"])
+def test_split_gate_up_partials_summed_in_swiglu_bitwise(monkeypatch, fold):
+    """routed_experts.SWIGLU_SUMS_SPLIT: a split-K gate_up returns its fp32 partials
+    (reduce=False) and swiglu_quant_partials sums them; y is bit for bit the reduce launch +
+    swiglu_quant path and the unfused twin's, with a route to another rank's expert. Both
+    partial forms: one per 128-block (4 here) and, with fold_sa, one per split (2)."""
+    import dsv4_moe.kernels.routed_experts as re_mod
+    from dsv4_moe.kernels.act_quant import act_quant
+    from dsv4_moe.kernels.mxfp4_grouped_gemm import split_parts
+
+    g = torch.Generator().manual_seed(17)
+    e, h, i, k, t = 6, 512, 128, 3, 2
+    gu, gus = _weights(e, 2 * i, h, g)
+    dn, dns = _weights(e, h, i, g)
+    routed = RoutedExpertWeights(gu, gus, dn, dns, first_expert=1, num_experts=8)   # owns 1..6
+    x = torch.randn(t, h, generator=g).bfloat16() * 4
+    up = GemmConfig(16, 64, 4, 2, kind="swap", split_k=2, a_bf16=fold, fold_sa=fold)
+    down = GemmConfig(16, 64, 4, 2, kind="swap")
+    assert split_parts(up, h) == (2 if fold else 4) and split_parts(down, i) == 1
+    q, sa, *pairs = act_quant(x, pairs="scaled" if fold else False)
+    ids = _ids(t, k, 8, g)
+    ids[1, 0] = 0                                                        # not on this rank
+    ids = ids.sort(1).values
+    tw = torch.rand(t, k, generator=g)
+    ys = {}
+    for name, on, swiglu in (("partials", True, "fused"), ("reduce", False, "fused"), ("unfused", True, "unfused")):
+        monkeypatch.setattr(re_mod, "SWIGLU_SUMS_SPLIT", on)
+        ys[name] = routed_experts_forward(q, sa, tw, ids, routed, 10.0, swiglu, configs=(up, down),
+                                          q_pairs=pairs[0] if fold else None)
+    local = ref.local_mask(ids, 1, e)
+    assert 0 < int(local.sum()) < t * k
+    for name in ("reduce", "unfused"):
+        assert torch.equal(ys["partials"][local].view(torch.int16), ys[name][local].view(torch.int16)), name
+
+
+def test_reduce_false_guards():
+    """reduce=False hands over partials only where the config splits K; with no local route
+    the partials are an (unspecified) [P, R, N] buffer and nothing is launched."""
+    g = torch.Generator().manual_seed(1)
+    w, s = _weights(4, 64, 512, g)
+    q, sa = ref.act_quant(torch.randn(2, 512, generator=g).bfloat16())
+    a = moe_align(torch.tensor([[0, 1], [1, 3]], dtype=torch.int32), 4, 0, 16)
+    with pytest.raises(ValueError, match="reduce=False: config=.* does not split K=512"):
+        mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False,
+                           config=GemmConfig(16, 64, 4, 2, kind="swap"), reduce=False)
+    cfg = GemmConfig(16, 64, 4, 2, kind="swap", split_k=4)
+    ws = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=cfg, reduce=False)
+    assert ws.dtype == torch.float32 and ws.shape == (4, 4, 64)
+    out = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=cfg)
+    rows = a.route_rows.long()
+    acc = torch.zeros(4, 64)
+    for p in range(4):
+        acc = acc + ws[p]
+    assert torch.equal(out[rows].view(torch.int16), acc.bfloat16().view(torch.int16))
+    far = moe_align(torch.tensor([[5, 6]], dtype=torch.int32), 4, 0, 16)  # every route elsewhere
+    ws = mxfp4_grouped_gemm(q[:1], sa[:1], w, s, far, gather_a=True, scatter_out=False, config=cfg, reduce=False)
+    assert ws.shape == (4, 2, 64)
+
+
 def test_zero_tokens_no_launch_and_guards():
     g = torch.Generator().manual_seed(0)
     w, s = _weights(4, 64, 64, g)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dsv4_moe import reference as ref
-from dsv4_moe.kernels.swiglu_quant import choose_strategy, swiglu_quant, swiglu_quant_unfused
+from dsv4_moe.kernels.swiglu_quant import choose_strategy, swiglu_quant, swiglu_quant_partials, swiglu_quant_unfused
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 STRATEGIES = ["group", "persistent"]
@@ -268,3 +268,79 @@ def test_rows_argument_errors():
         swiglu_quant(x, strategy="rows")
     with pytest.raises(ValueError, match="fp32_cm"):
         swiglu_quant_unfused(x, rows=r, scale_fmt="fp32_cm")
+
+
+def _partials(p, r, i, seed):
+    """fp32 [P, R, 2I] split-K partials whose in-order sums reach past the clamp (|.| > 10)
+    and whose sum order matters in bf16 (checked by the test's negative control)."""
+    g = torch.Generator().manual_seed(seed)
+    parts = torch.randn(p, r, 2 * i, generator=g) * 3.0
+    # gate column 0: +0.0 + 1e8 + 1 - 1e8 + 0.25 = 0.25 in this order, 0 in the reverse one
+    parts[:, :, 0] = torch.tensor([1e8, 1.0, -1e8, 0.25])[:, None]
+    parts[:, 0, 5] = -0.0  # an all -0.0 column: +0.0 + (-0.0) ... = +0.0
+    return parts
+
+
+@pytest.mark.parametrize("pairs,scale_fmt", [(False, "fp32"), (True, "fp32"), ("scaled", "fp32"), (False, "e8m0")])
+def test_partials_equal_reduce_then_rows(pairs, scale_fmt):
+    """swiglu_quant_partials (the split-K gate_up's reduce folded into the SwiGLU-quant) is
+    bit for bit the reduce - bf16(+0.0 + parts[0] + ... + parts[P-1]) written to row rows[r]
+    - followed by swiglu_quant(rows=...): codes, scales and pairs; a route with row -1, one
+    past M and the rows never listed keep their bytes. Negative control: the reversed sum
+    order gives other codes, so the comparison sees the order."""
+    p_n, r, i, m = 4, 9, 256, 40
+    parts = _partials(p_n, r, i, seed=21)
+    g = torch.Generator().manual_seed(4)
+    rows = torch.randperm(m, generator=g)[:r].int()
+    rows[3], rows[7] = -1, m + 2
+    w = torch.rand(m, generator=g)
+    keep = torch.zeros(m, dtype=torch.bool)
+    keep[rows[(rows >= 0) & (rows < m)].long()] = True
+
+    def reduce(order):
+        acc = torch.zeros(r, 2 * i)
+        for j in order:
+            acc = acc + parts[j]
+        gu = torch.zeros(m, 2 * i, dtype=torch.bfloat16)
+        ok = (rows >= 0) & (rows < m)
+        gu[rows[ok].long()] = acc[ok].bfloat16()
+        return gu
+
+    def fresh():
+        oq = torch.full((m, i), 0x5A, dtype=torch.uint8, device=DEV).view(torch.float8_e4m3fn)
+        os_ = (torch.full((m, 2), 0x7B, dtype=torch.uint8, device=DEV).view(torch.float8_e8m0fnu)
+               if scale_fmt == "e8m0" else torch.full((m, 2), -3.0, device=DEV))
+        op = torch.full((m, i), -5.0, dtype=torch.bfloat16, device=DEV) if pairs else None
+        return dict(route_weight=w.to(DEV), scale_fmt=scale_fmt, out_q=oq, out_s=os_, pairs=pairs, out_pairs=op)
+
+    kw = fresh()
+    got = swiglu_quant_partials(parts.to(DEV), rows.to(DEV), m, **kw)
+    kw2 = fresh()
+    want = swiglu_quant(reduce(range(p_n)).to(DEV), rows=rows.to(DEV), **kw2)
+    assert len(got) == (3 if pairs else 2)
+    for a, b, what in zip(got, want, ("q", "s", "pairs")):
+        assert_bytes_equal(a, b, f"partials vs reduce + rows: {what}")
+    q8 = got[0].cpu().view(torch.uint8)
+    assert (q8[~keep] == 0x5A).all(), "unlisted rows were written"
+    assert int(keep.sum()) == r - 2
+    rev = swiglu_quant(reduce(reversed(range(p_n))).to(DEV), rows=rows.to(DEV), **fresh())
+    assert not torch.equal(rev[0].cpu().view(torch.uint8), q8), "negative control: sum order not seen"
+
+
+def test_partials_argument_errors():
+    parts = torch.zeros(2, 3, 256, device=DEV)
+    rows = torch.zeros(3, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="partials must be a float32"):
+        swiglu_quant_partials(parts.bfloat16(), rows, 4)
+    with pytest.raises(ValueError, match="rows has 2 entries, partials 3 routes"):
+        swiglu_quant_partials(parts, rows[:2], 4)
+    with pytest.raises(ValueError, match="num_rows=-1"):
+        swiglu_quant_partials(parts, rows, -1)
+    with pytest.raises(ValueError, match="partials must be contiguous"):
+        swiglu_quant_partials(parts.transpose(0, 1), rows, 4)
+    with pytest.raises(ValueError, match="route_weight must be a contiguous float32"):
+        swiglu_quant_partials(parts, rows, 4, route_weight=torch.zeros(3, device=DEV))
+    with pytest.raises(ValueError, match="fp32_cm"):
+        swiglu_quant_partials(parts, rows, 4, scale_fmt="fp32_cm")
+    q, s = swiglu_quant_partials(torch.zeros(2, 0, 256, device=DEV), rows[:0], 4)  # no route: no launch
+    assert q.shape == (4, 128) and s.shape == (4, 1)

@@ -1,0 +1,165 @@
+"""The device timeline of one DeepseekV4MoE forward inside a CUDA graph (H200 tool).
+
+    OUT=./out python3 scripts/gpu_timeline_layer.py [--presets pro-tp8] [--tokens 1,16] [--weight-sets 4]
+
+`gpu_profile_layer.py` times the graph as a whole and the kernels one by one in eager mode;
+neither shows where a replayed forward waits. This captures what the layer bench times
+(the policies' own picks: overlap, PDL; `--weight-sets` layers used in turn so the weights
+are not in the L2), replays it under torch.profiler (CUPTI records every kernel node of a
+graph with its stream and device start / end), cuts the kernel stream into forwards and
+prints, per kernel of the forward (medians over the replayed forwards): its start and end
+relative to the forward's first kernel, its duration, its stream, and the idle time on the
+main stream before it. The last line per case: the forward's span (first start to last end),
+the period (start to next forward's start: what a forward costs in the graph), the sum of
+kernel durations on the main stream and the main stream's idle time inside the span.
+
+`--set MODULE.ATTR=V` (repeatable) sets module constants first (as bench_layer.py does).
+Writes $OUT/timeline_layer[_TAG].txt and .json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from collections import defaultdict
+
+import torch
+
+from dsv4_moe import DeepseekV4MoE, MoEConfig
+from dsv4_moe.testing import random_layer_weights
+
+
+def _short(name: str) -> str:
+    return name.split("(")[0].split("<")[0][:48]
+
+
+def _apply_sets(sets: list[str]) -> None:
+    from dsv4_moe.bench.run import _apply_set  # the layer bench's --set (same parsing, memo cleared)
+    for item in sets:
+        print(_apply_set(item), flush=True)
+
+
+def timeline(sets, x, ids, inner: int, replays: int):
+    from torch.profiler import ProfilerActivity, profile
+    with torch.no_grad():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                for lay in sets:
+                    lay(x, ids)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for j in range(inner):
+                sets[j % len(sets)](x, ids)
+    for _ in range(5):
+        g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            g.replay()
+        torch.cuda.synchronize()
+    evs = [e for e in prof.profiler.kineto_results.events()
+           if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0
+           and not e.name().startswith(("Memcpy", "Memset"))]
+    evs.sort(key=lambda e: e.start_ns())
+    n = len(evs)
+    per = n // (replays * inner) if n else 0
+    if per == 0 or n != per * replays * inner:
+        return None, f"{n} kernel events for {replays} x {inner} forwards: not a whole number per forward"
+    streams = defaultdict(int)
+    for e in evs:
+        streams[e.device_resource_id()] += 1
+    main_stream = max(streams, key=streams.get)
+    rows = defaultdict(lambda: defaultdict(list))
+    spans, periods, busy, idle = [], [], [], []
+    fwd_starts = []
+    for f in range(replays * inner):
+        chunk = evs[f * per:(f + 1) * per]
+        t0 = chunk[0].start_ns()
+        fwd_starts.append(t0)
+        seen = defaultdict(int)
+        prev_end = None
+        b = i_ = 0.0
+        for e in chunk:
+            name = _short(e.name())
+            key = (name, seen[name], e.device_resource_id() == main_stream)
+            seen[name] += 1
+            r = rows[key]
+            r["start"].append((e.start_ns() - t0) / 1e3)
+            r["end"].append((e.end_ns() - t0) / 1e3)
+            r["dur"].append(e.duration_ns() / 1e3)
+            if e.device_resource_id() == main_stream:
+                gap = 0.0 if prev_end is None else max(0.0, (e.start_ns() - prev_end) / 1e3)
+                r["gap"].append(gap)
+                b += e.duration_ns() / 1e3
+                i_ += gap
+                prev_end = e.end_ns() if prev_end is None else max(prev_end, e.end_ns())
+        spans.append((max(e.end_ns() for e in chunk) - t0) / 1e3)
+        busy.append(b)
+        idle.append(i_)
+    periods = [(fwd_starts[f + 1] - fwd_starts[f]) / 1e3 for f in range(len(fwd_starts) - 1)
+               if (f + 1) % inner]  # within one replay only
+    med = statistics.median
+    table = sorted(((k, {m: med(v) for m, v in r.items()}) for k, r in rows.items()), key=lambda kv: kv[1]["start"])
+    summary = dict(kernels_per_forward=per, span_us=med(spans), period_us=med(periods) if periods else None,
+                   main_busy_us=med(busy), main_idle_us=med(idle), streams=len(streams))
+    return (table, summary), ""
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", default="pro-tp8")
+    ap.add_argument("--tokens", default="1,16")
+    ap.add_argument("--weight-sets", type=int, default=4)
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--set", action="append", default=[], help="MODULE.ATTR=V, applied before the layers are built")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    _apply_sets(args.set)
+    out = os.environ.get("OUT", "./out")
+    os.makedirs(out, exist_ok=True)
+    cfgs = {"flash": MoEConfig.flash(),
+            "pro-tp8": MoEConfig.pro().replace(moe_intermediate_size=384, name="pro-tp8-rank")}
+    lines, js = [], []
+    for name in args.presets.split(","):
+        cfg = cfgs[name]
+        sets = [DeepseekV4MoE(cfg, random_layer_weights(cfg, layer_idx=5, seed=s, device="cuda"))
+                for s in range(args.weight_sets)]
+        inner = 3 * len(sets)
+        for t in [int(v) for v in args.tokens.split(",")]:
+            gen = torch.Generator(device="cuda").manual_seed(t)
+            x = torch.randn(t, cfg.hidden_size, device="cuda", generator=gen).bfloat16()
+            ids = torch.randint(0, cfg.vocab_size, (t,), device="cuda", generator=gen)
+            res, why = timeline(sets, x, ids, inner, args.replays)
+            if res is None:
+                lines.append(f"== {name} T={t}: {why}")
+                print(lines[-1], flush=True)
+                continue
+            table, s = res
+            head = (f"== {name} T={t} ({args.weight_sets} weight sets, {args.set or 'defaults'}): span "
+                    f"{s['span_us']:.1f} us, period {s['period_us']:.1f} us, {s['kernels_per_forward']} kernels "
+                    f"on {s['streams']} streams; main stream busy {s['main_busy_us']:.1f} us, idle "
+                    f"{s['main_idle_us']:.1f} us inside the span")
+            lines.append(head)
+            lines.append(f"   {'start':>7} {'end':>7} {'dur':>6} {'gap':>5}  stream  kernel")
+            for (kname, occ, main_s), r in table:
+                gap = f"{r['gap']:5.2f}" if "gap" in r else "     "
+                lines.append(f"   {r['start']:7.2f} {r['end']:7.2f} {r['dur']:6.2f} {gap}  "
+                             f"{'main' if main_s else 'side'}    {kname}{f' #{occ + 1}' if occ else ''}")
+            print("\n".join(lines[-len(table) - 2:]), flush=True)
+            js.append(dict(preset=name, T=t, sets=args.set, **s,
+                           kernels=[dict(name=k[0], occurrence=k[1], main=k[2], **r) for k, r in table]))
+        del sets
+        torch.cuda.empty_cache()
+    tag = f"_{args.tag}" if args.tag else ""
+    with open(os.path.join(out, f"timeline_layer{tag}.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(out, f"timeline_layer{tag}.json"), "w") as f:
+        json.dump(js, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
