@@ -7,11 +7,12 @@ neither shows where a replayed forward waits. This captures what the layer bench
 (the policies' own picks: overlap, PDL; `--weight-sets` layers used in turn so the weights
 are not in the L2), replays it under torch.profiler (CUPTI records every kernel node of a
 graph with its stream and device start / end), cuts the kernel stream into forwards and
-prints, per kernel of the forward (medians over the replayed forwards): its start and end
-relative to the forward's first kernel, its duration, its stream, and the idle time on the
-main stream before it. The last line per case: the forward's span (first start to last end),
-the period (start to next forward's start: what a forward costs in the graph), the sum of
-kernel durations on the main stream and the main stream's idle time inside the span.
+prints, per kernel of the forward (medians over the replayed forwards, in the order of their
+ends): its start and end relative to the forward's first kernel, its duration and how much
+later than the previous kernel it ends. Under programmatic dependent launch a kernel starts
+early and waits for its predecessor, so its duration includes that wait: read the ends. The
+head line per case: the forward's span (first start to last end) and the period (start to
+the next forward's start inside one replay: what a forward costs in a model's graph).
 
 `--set MODULE.ATTR=V` (repeatable) sets module constants first (as bench_layer.py does).
 Writes $OUT/timeline_layer[_TAG].txt and .json.
@@ -69,43 +70,26 @@ def timeline(sets, x, ids, inner: int, replays: int):
     per = n // (replays * inner) if n else 0
     if per == 0 or n != per * replays * inner:
         return None, f"{n} kernel events for {replays} x {inner} forwards: not a whole number per forward"
-    streams = defaultdict(int)
-    for e in evs:
-        streams[e.device_resource_id()] += 1
-    main_stream = max(streams, key=streams.get)
     rows = defaultdict(lambda: defaultdict(list))
-    spans, periods, busy, idle = [], [], [], []
-    fwd_starts = []
+    spans, fwd_starts = [], []
     for f in range(replays * inner):
         chunk = evs[f * per:(f + 1) * per]
         t0 = chunk[0].start_ns()
         fwd_starts.append(t0)
         seen = defaultdict(int)
-        prev_end = None
-        b = i_ = 0.0
         for e in chunk:
             name = _short(e.name())
-            key = (name, seen[name], e.device_resource_id() == main_stream)
+            r = rows[(name, seen[name])]
             seen[name] += 1
-            r = rows[key]
             r["start"].append((e.start_ns() - t0) / 1e3)
             r["end"].append((e.end_ns() - t0) / 1e3)
             r["dur"].append(e.duration_ns() / 1e3)
-            if e.device_resource_id() == main_stream:
-                gap = 0.0 if prev_end is None else max(0.0, (e.start_ns() - prev_end) / 1e3)
-                r["gap"].append(gap)
-                b += e.duration_ns() / 1e3
-                i_ += gap
-                prev_end = e.end_ns() if prev_end is None else max(prev_end, e.end_ns())
         spans.append((max(e.end_ns() for e in chunk) - t0) / 1e3)
-        busy.append(b)
-        idle.append(i_)
     periods = [(fwd_starts[f + 1] - fwd_starts[f]) / 1e3 for f in range(len(fwd_starts) - 1)
                if (f + 1) % inner]  # within one replay only
     med = statistics.median
-    table = sorted(((k, {m: med(v) for m, v in r.items()}) for k, r in rows.items()), key=lambda kv: kv[1]["start"])
-    summary = dict(kernels_per_forward=per, span_us=med(spans), period_us=med(periods) if periods else None,
-                   main_busy_us=med(busy), main_idle_us=med(idle), streams=len(streams))
+    table = sorted(((k, {m: med(v) for m, v in r.items()}) for k, r in rows.items()), key=lambda kv: kv[1]["end"])
+    summary = dict(kernels_per_forward=per, span_us=med(spans), period_us=med(periods) if periods else None)
     return (table, summary), ""
 
 
@@ -140,18 +124,17 @@ def main():
                 continue
             table, s = res
             head = (f"== {name} T={t} ({args.weight_sets} weight sets, {args.set or 'defaults'}): span "
-                    f"{s['span_us']:.1f} us, period {s['period_us']:.1f} us, {s['kernels_per_forward']} kernels "
-                    f"on {s['streams']} streams; main stream busy {s['main_busy_us']:.1f} us, idle "
-                    f"{s['main_idle_us']:.1f} us inside the span")
+                    f"{s['span_us']:.1f} us, period {s['period_us']:.1f} us, {s['kernels_per_forward']} kernels")
             lines.append(head)
-            lines.append(f"   {'start':>7} {'end':>7} {'dur':>6} {'gap':>5}  stream  kernel")
-            for (kname, occ, main_s), r in table:
-                gap = f"{r['gap']:5.2f}" if "gap" in r else "     "
-                lines.append(f"   {r['start']:7.2f} {r['end']:7.2f} {r['dur']:6.2f} {gap}  "
-                             f"{'main' if main_s else 'side'}    {kname}{f' #{occ + 1}' if occ else ''}")
+            lines.append(f"   {'start':>7} {'end':>7} {'dur':>6} {'+end':>6}  kernel (in order of their end)")
+            prev = 0.0
+            for (kname, occ), r in table:
+                lines.append(f"   {r['start']:7.2f} {r['end']:7.2f} {r['dur']:6.2f} {r['end'] - prev:6.2f}  "
+                             f"{kname}{f' #{occ + 1}' if occ else ''}")
+                prev = r["end"]
             print("\n".join(lines[-len(table) - 2:]), flush=True)
             js.append(dict(preset=name, T=t, sets=args.set, **s,
-                           kernels=[dict(name=k[0], occurrence=k[1], main=k[2], **r) for k, r in table]))
+                           kernels=[dict(name=k[0], occurrence=k[1], **r) for k, r in table]))
         del sets
         torch.cuda.empty_cache()
     tag = f"_{args.tag}" if args.tag else ""

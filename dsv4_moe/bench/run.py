@@ -83,6 +83,10 @@ def build_parser(prog: str = "python -m dsv4_moe bench") -> argparse.ArgumentPar
     run.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                      help="CUDA-graph replay for T <= --graph-max-tokens")
     run.add_argument("--graph-max-tokens", type=int, default=256)
+    run.add_argument("--graph-chain", action="store_true",
+                     help="capture the rotated sets' calls one after the other into one graph (mode "
+                          "'graph-chain'), as a model's graph holds its layers: no graph launch between "
+                          "two calls; the time is still per call. Default: one graph per call")
     run.add_argument("--routed-layout", choices=("auto", "nk", "mma64", "mma64e"), default="auto",
                      help="byte order of this package's routed weights (DeepseekV4MoE routed_layout; 'auto' "
                           "takes 'mma64e' on CUDA, 'mma64' is its same-bits A/B twin)")
@@ -188,7 +192,7 @@ class _Bench:
         use_graphs = graphs and self.args.graphs and row["T"] <= self.args.graph_max_tokens
         try:
             t = time_sets(fns, device=self.device, graphs=use_graphs, reps=reps or self.reps, context=context,
-                          max_inner=max_inner)
+                          max_inner=max_inner, chain=self.args.graph_chain)
         except Exception as e:  # noqa: BLE001
             self._drain()
             return self.add(dict(row, status="error", reason=f"timing: {type(e).__name__}: {str(e)[:300]}"))

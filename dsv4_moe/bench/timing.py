@@ -9,7 +9,10 @@ not serve the next call from cache. On CUDA:
 1. warm-up: every callable runs twice on a side stream (also triggers Triton JIT);
 2. with graphs, each callable is captured into its own CUDA graph and replayed; if capture
    raises (a host sync, a dynamic allocation), it falls back to eager and says so in
-   `Timing.mode`;
+   `Timing.mode`. With `chain=True` all the callables are captured one after the other into
+   one graph (mode "graph-chain"), as a model's graph holds its layers: no graph launch
+   between two calls, and programmatic dependent launch reaches from one call into the next.
+   One replay is then n calls;
 3. one calibration batch sizes the inner loop so each timed batch lasts >= target_ms;
 4. `reps` batches are timed with CUDA events around the whole batch, cycling the sets;
    the reported time is the median batch time / calls.
@@ -58,15 +61,16 @@ def _nullctx() -> ContextManager:
 
 def time_sets(fns: Sequence[Callable[[], object]], *, device: str, graphs: bool = True, reps: int = 15,
               target_ms: float = 3.0, max_inner: int = 200,
-              context: Callable[[], ContextManager] = _nullctx) -> Timing:
+              context: Callable[[], ContextManager] = _nullctx, chain: bool = False) -> Timing:
     """Time a rotation of callables; see the module docstring. `context()` is entered around
-    every eager call and every capture (e.g. `force_paths(...)`); graph replays need it not."""
+    every eager call and every capture (e.g. `force_paths(...)`); graph replays need it not.
+    `chain` (graphs only): all callables in one graph, the time still per call."""
     if not fns:
         raise ValueError("time_sets: fns is empty; expected one callable per rotated input set")
     if reps < 1:
         raise ValueError(f"time_sets: reps={reps!r}: expected >= 1")
     if str(device).startswith("cuda"):
-        return _time_cuda(list(fns), graphs, reps, target_ms, max_inner, context)
+        return _time_cuda(list(fns), graphs, reps, target_ms, max_inner, context, chain)
     return _time_cpu(list(fns), reps, target_ms, max_inner, context)
 
 
@@ -89,7 +93,7 @@ def _time_cpu(fns, reps, target_ms, max_inner, context) -> Timing:
     return Timing(statistics.median(samples), min(samples), "cpu", n, inner, samples)
 
 
-def _time_cuda(fns, graphs, reps, target_ms, max_inner, context) -> Timing:
+def _time_cuda(fns, graphs, reps, target_ms, max_inner, context, chain=False) -> Timing:
     cur = torch.cuda.current_stream()
     runners = fns
     mode = "eager"
@@ -106,18 +110,20 @@ def _time_cuda(fns, graphs, reps, target_ms, max_inner, context) -> Timing:
     if graphs:
         try:
             with context():
-                for f in fns:
+                for group in ([fns] if chain else [[f] for f in fns]):
                     g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g):
-                        f()
+                        for f in group:
+                            f()
                     captured.append(g)
             runners = [g.replay for g in captured]
-            mode = "graph"
+            mode = "graph-chain" if chain else "graph"
         except Exception as e:  # noqa: BLE001 - any capture failure means "time it eagerly"
             torch.cuda.synchronize()
             captured = []
             mode = f"eager (graph capture failed: {type(e).__name__}: {str(e)[:120]})"
-    ctx = _nullctx if mode == "graph" else context
+    ctx = _nullctx if mode.startswith("graph") else context
+    calls = len(fns) if mode == "graph-chain" else 1  # calls per runner
     n = len(runners)
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
@@ -138,9 +144,9 @@ def _time_cuda(fns, graphs, reps, target_ms, max_inner, context) -> Timing:
                 runners[i % n]()
             end.record()
             end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3 / inner)
+            samples.append(start.elapsed_time(end) * 1e3 / (inner * calls))
     del captured
-    return Timing(statistics.median(samples), min(samples), mode, n, inner, samples)
+    return Timing(statistics.median(samples), min(samples), mode, len(fns), inner * calls, samples)
 
 
 @dataclass
