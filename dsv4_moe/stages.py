@@ -88,8 +88,11 @@ def router_triton_supported(ctx: DispatchContext):
     if not ok:
         return ok, why
     gpu = ctx.device.type == "cuda"
-    gemv_max = _kernel("router").GEMV_MAX_T
+    rt = _kernel("router")
+    gemv_max, mma_max = rt.GEMV_MAX_T, rt.MMA_MAX_T
     logits = (f"logits by the Triton GEMV (T <= {gemv_max})" if gpu and ctx.num_tokens <= gemv_max
+              else f"logits by the Triton tensor-core kernel (T <= {mma_max}, bf16 gate)"
+              if gpu and ctx.num_tokens <= mma_max
               else "logits by cuBLAS (fp32 out)" if gpu else "logits by torch matmul")
     scores = ("sqrt(softplus) in the top-k kernel (libdevice, bitwise torch's)" if gpu
               else "sqrt(softplus) by torch (no libdevice off the GPU)")

@@ -131,12 +131,13 @@ def _align_small_kernel(ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, 
                         num_blocks_ptr, sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_weight_ptr,
                         R, first_expert, num_local, max_blocks,
                         HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                        E_PAD: tl.constexpr, ROWS_PAD: tl.constexpr, MB_PAD: tl.constexpr, PDL: tl.constexpr = 0):
+                        E_PAD: tl.constexpr, ROWS_PAD: tl.constexpr, MB_PAD: tl.constexpr,
+                        PAIRWISE: tl.constexpr = True, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     _align_small_body(ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, expert_offsets_ptr,
                       num_blocks_ptr, sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_weight_ptr,
                       R, first_expert, num_local, max_blocks,
-                      HAS_WEIGHTS, BLOCK, BLOCK_M, E_PAD, ROWS_PAD, MB_PAD)
+                      HAS_WEIGHTS, BLOCK, BLOCK_M, E_PAD, ROWS_PAD, MB_PAD, PAIRWISE)
 
 
 @triton.jit
@@ -144,40 +145,59 @@ def _align_small_body(ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, ex
                       num_blocks_ptr, sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_weight_ptr,
                       R, first_expert, num_local, max_blocks,
                       HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                      E_PAD: tl.constexpr, ROWS_PAD: tl.constexpr, MB_PAD: tl.constexpr):
+                      E_PAD: tl.constexpr, ROWS_PAD: tl.constexpr, MB_PAD: tl.constexpr,
+                      PAIRWISE: tl.constexpr = True):
     """The one-program alignment (also run by the last program of `_route_front_kernel`,
-    after a CTA barrier, on the ids and weights its top-k just wrote)."""
+    after a CTA barrier, on the ids and weights its top-k just wrote).
+
+    PAIRWISE (session 26): everything a route needs from the [routes x routes] compare -
+    its rank among earlier routes of its expert, its expert's count, and its expert's start
+    (the padded counts of the smaller experts, each taken once from that expert's first
+    route); the per-expert outputs (counts, offsets) from one [E] pass over counts scattered
+    to memory and read back after a barrier. Without it, [routes x E] one-hot sums (E = 384
+    experts: 8-64 x 512 cells against 8-64 x 8-64)."""
     i = tl.arange(0, BLOCK)
     in_r = i < R
     key, local = _local_key(ids_ptr, i, in_r, first_expert, num_local)
-    same = (key[:, None] == key[None, :]) & (i[None, :] < i[:, None]) & local[None, :]
-    rank = tl.sum(same.to(tl.int32), axis=1)
+    same = (key[:, None] == key[None, :]) & local[None, :]
+    rank = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
     ecol = tl.arange(0, E_PAD)
     is_e = ecol < num_local
-    cnt = tl.sum((key[:, None] == ecol[None, :]).to(tl.int32), axis=0)
-    padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    offs = tl.cumsum(padded, axis=0) - padded
-    total = tl.sum(padded, axis=0)
-    tl.store(expert_counts_ptr + ecol, cnt, mask=is_e)
-    tl.store(expert_offsets_ptr + ecol, offs, mask=is_e)
     one = tl.arange(0, 1)
-    tl.store(expert_offsets_ptr + num_local + one, tl.zeros([1], tl.int32) + total)
-    nvb = total // BLOCK_M
-    tl.store(num_blocks_ptr + one, tl.zeros([1], tl.int32) + nvb)
-    # every row: the sentinel (rows holding a route are overwritten below)
     rows = tl.arange(0, ROWS_PAD)
     in_rows = rows < max_blocks * BLOCK_M
+    b = tl.arange(0, MB_PAD)
+    if PAIRWISE:
+        cnt_r = tl.sum(same.to(tl.int32), axis=1)                       # routes of route i's expert
+        first = local & (rank == 0)
+        pf = tl.where(first, (cnt_r + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+        off = tl.sum(tl.where(key[None, :] < key[:, None], pf[None, :], 0), axis=1)
+        total = tl.sum(pf, axis=0)
+        nvb = total // BLOCK_M
+        # every row the sentinel, every expert count 0 (the routes' rows and their experts'
+        # counts are overwritten after the barrier, which orders the program's global writes)
+        tl.store(expert_counts_ptr + ecol, tl.zeros([E_PAD], tl.int32), mask=is_e)
+    else:
+        cnt = tl.sum((key[:, None] == ecol[None, :]).to(tl.int32), axis=0)
+        padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        offs = tl.cumsum(padded, axis=0) - padded
+        total = tl.sum(padded, axis=0)
+        tl.store(expert_counts_ptr + ecol, cnt, mask=is_e)
+        tl.store(expert_offsets_ptr + ecol, offs, mask=is_e)
+        nvb = total // BLOCK_M
+        # each route's expert offset gathered in registers (a one-hot sum over the experts), not
+        # re-read from global memory after the barrier (session 7: one L2 round trip fewer on
+        # the decode critical path)
+        off = tl.sum(tl.where(key[:, None] == ecol[None, :], offs[None, :], 0), axis=1)
+    tl.store(expert_offsets_ptr + num_local + one, tl.zeros([1], tl.int32) + total)
+    tl.store(num_blocks_ptr + one, tl.zeros([1], tl.int32) + nvb)
+    # every row: the sentinel (rows holding a route are overwritten below)
     tl.store(sorted_ids_ptr + rows, tl.zeros([ROWS_PAD], tl.int32) + R, mask=in_rows)
     tl.store(row_expert_ptr + rows, tl.full([ROWS_PAD], -1, tl.int32), mask=in_rows)
     if HAS_WEIGHTS:
         tl.store(row_weight_ptr + rows, tl.zeros([ROWS_PAD], tl.float32), mask=in_rows)
-    b = tl.arange(0, MB_PAD)
     tl.store(block_expert_ptr + b, tl.full([MB_PAD], -1, tl.int32), mask=(b < max_blocks) & (b >= nvb))
-    # each route's expert offset gathered in registers (a one-hot sum over the experts), not
-    # re-read from global memory after the barrier (session 7: one L2 round trip fewer on
-    # the decode critical path); the barrier orders the sentinel fill above (any thread)
-    # before the route rows written below (the route's thread)
-    off = tl.sum(tl.where(key[:, None] == ecol[None, :], offs[None, :], 0), axis=1)
+    # the barrier orders the fills above (any thread) before the writes below (the route's thread)
     tl.debug_barrier()
     dest = off + rank
     tl.store(sorted_ids_ptr + dest, i, mask=local)
@@ -186,3 +206,9 @@ def _align_small_body(ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, ex
         tl.store(row_weight_ptr + dest, tl.load(topk_w_ptr + i, mask=local, other=0.0), mask=local)
     tl.store(route_rows_ptr + i, tl.where(local, dest, -1), mask=in_r)
     tl.store(block_expert_ptr + dest // BLOCK_M, key, mask=local)
+    if PAIRWISE:
+        tl.store(expert_counts_ptr + key, cnt_r, mask=first)                # one first route per expert
+        tl.debug_barrier()
+        cnt = tl.load(expert_counts_ptr + ecol, mask=is_e, other=0, volatile=True)
+        padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        tl.store(expert_offsets_ptr + ecol, tl.cumsum(padded, axis=0) - padded, mask=is_e)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._triton_utils import pdl_enter
+from ._triton_utils import pdl_enter, split_k_arrive, split_k_reset
 
 
 @triton.jit
@@ -54,6 +54,62 @@ def _router_logits_kernel(
     pdl_enter(PDL)
     _logits_tile(x_ptr, w_ptr, out_ptr, tl.program_id(0), tl.program_id(1), T, E, stride_x, stride_w, stride_o,
                  H, BLOCK_T, BLOCK_E, BLOCK_H, NUM_STAGES, False)
+
+
+@triton.jit
+def _router_logits_mma_kernel(
+    x_ptr,             # [T, H] bf16, row stride stride_x
+    w_ptr,             # [E, H] bf16, row stride stride_w
+    out_ptr,           # [T, E] f32, row stride stride_o
+    ws_ptr,            # [SPLITS, T, E] f32 partials (SPLITS > 1)
+    cnt_ptr,           # [cdiv(E, BLOCK_E) * cdiv(T, BLOCK_T)] int32 arrival counters, left at 0
+    T, E, stride_x, stride_w, stride_o,
+    H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_PER: tl.constexpr, SPLITS: tl.constexpr, SOFTWARE: tl.constexpr,
+    PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
+):
+    """logits[t, e] = sum_h x[t, h] * W[e, h] on the tensor cores (weights x tokens, so a
+    [BLOCK_E, BLOCK_T] tile per program and K_PER of H), fp32 accumulation; bf16 x bf16
+    products are exact in fp32, so only the summation order differs from the reference (as
+    with cuBLAS). Grid (cdiv(E, BLOCK_E), SPLITS, cdiv(T, BLOCK_T)): with SPLITS > 1 each
+    program stores its partial and the last one of a tile to arrive (`split_k_arrive`) sums
+    the SPLITS partials in split order from +0.0 - deterministic, one launch.
+    SOFTWARE (the interpreter, whose bf16 dot is not exact): fp32 operands, IEEE dot."""
+    pdl_enter(PDL)
+    pid_e = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_t = tl.program_id(2)
+    ee = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    tt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    kk = tl.arange(0, BLOCK_K)
+    e_ok = ee < E
+    t_ok = tt < T
+    w_ptrs = w_ptr + tl.where(e_ok, ee, 0).to(tl.int64)[:, None] * stride_w + kk[None, :]
+    x_ptrs = x_ptr + tl.where(t_ok, tt, 0).to(tl.int64)[None, :] * stride_x + kk[:, None]
+    acc = tl.zeros([BLOCK_E, BLOCK_T], dtype=tl.float32)
+    k0 = pid_s * K_PER
+    for k in tl.range(0, K_PER, BLOCK_K):
+        k_ok = (k0 + k + kk) < H
+        w = tl.load(w_ptrs + (k0 + k), mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+        xt = tl.load(x_ptrs + (k0 + k), mask=k_ok[:, None] & t_ok[None, :], other=0.0)
+        if SOFTWARE:
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt, acc)
+    o_off = tt.to(tl.int64)[None, :] * stride_o + ee[:, None]
+    ok = e_ok[:, None] & t_ok[None, :]
+    if SPLITS == 1:
+        tl.store(out_ptr + o_off, acc, mask=ok)
+    else:
+        w_off = tt.to(tl.int64)[None, :] * E + ee[:, None]
+        tl.store(ws_ptr + pid_s * T * E + w_off, acc, mask=ok)
+        tile = pid_t * tl.num_programs(0) + pid_e
+        if split_k_arrive(cnt_ptr + tile, SPLITS):
+            tot = tl.zeros([BLOCK_E, BLOCK_T], dtype=tl.float32)
+            for s in tl.static_range(SPLITS):
+                tot += tl.load(ws_ptr + s * T * E + w_off, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + o_off, tot, mask=ok)
+            split_k_reset(cnt_ptr + tile)
 
 
 @triton.jit

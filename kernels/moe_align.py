@@ -21,7 +21,7 @@ BLOCK_M; experts are in ascending id. Everything is sized from shapes alone:
 max_blocks = min(R, cdiv(R, BLOCK_M) + min(E_local, R)) (each non-empty expert wastes
 less than one block, and every valid block holds at least one route), max_rows =
 max_blocks * BLOCK_M, so the call never syncs and can be captured in a CUDA graph.
-Decode-sized inputs (R <= 64 routes) take one launch, larger ones three
+Decode-sized inputs (R <= SMALL_MAX_ROUTES = 128 routes) take one launch, larger ones three
 (kernels/_moe_align.py; `impl` forces either, and both give the same outputs).
 """
 
@@ -38,7 +38,12 @@ _BB = 16       # M-blocks per program in the scatter kernel
 _E_TILE = 64   # experts per one-hot tile in the count kernel
 _SCAN_TILE = 4      # fewest experts per scan program
 _SCAN_CELLS = 4096  # counts per scan program (C_PAD x E_TILE)
-SMALL_MAX_ROWS = 4096  # decode path (one launch) when R <= _BLOCK and max_rows <= this
+SMALL_MAX_ROWS = 4096  # decode path (one launch) when R <= SMALL_MAX_ROUTES and max_rows <= this
+# NOTE (session 26): the one-launch path on its [routes x routes] form (SMALL_PAIRWISE, see
+# _align_small_body) instead of [routes x experts] one-hot sums, and up to 128 routes (T <= 21
+# at top-6; was 64, beyond which three launches ran). A/B switches.
+SMALL_PAIRWISE = True
+SMALL_MAX_ROUTES = 128
 
 
 @dataclass
@@ -108,7 +113,7 @@ def moe_align(topk_ids: torch.Tensor, num_local: int, first_expert: int, block_m
               topk_weights: torch.Tensor | None = None, *, impl: str = "auto") -> MoeAlignment:
     """Group the (token, slot) routes of `topk_ids` by local expert; see the module doc.
 
-    impl: "auto" (one launch for decode-sized inputs, R <= 64 routes and max_rows <=
+    impl: "auto" (one launch for decode-sized inputs, R <= SMALL_MAX_ROUTES routes and max_rows <=
     SMALL_MAX_ROWS; else three), "small" (force the one-launch kernel; raises past those
     limits) or "chunked" (force the three launches). Both give the same outputs."""
     if impl not in ("auto", "small", "chunked"):
@@ -143,9 +148,10 @@ def moe_align(topk_ids: torch.Tensor, num_local: int, first_expert: int, block_m
     ids = topk_ids.contiguous().view(-1)
     c = triton.cdiv(r, _BLOCK)
     e_pad = max(triton.next_power_of_2(num_local), _E_TILE)
-    small_ok = r <= _BLOCK and max_rows <= SMALL_MAX_ROWS
+    small_max_r = SMALL_MAX_ROUTES if SMALL_PAIRWISE else _BLOCK
+    small_ok = r <= small_max_r and max_rows <= SMALL_MAX_ROWS
     if impl == "small" and not small_ok:
-        raise ValueError(f"impl='small': needs R <= {_BLOCK} routes and max_rows <= {SMALL_MAX_ROWS}, "
+        raise ValueError(f"impl='small': needs R <= {small_max_r} routes and max_rows <= {SMALL_MAX_ROWS}, "
                          f"got R={r}, max_rows={max_rows}")
     if impl == "small" or (impl == "auto" and small_ok):
         # NOTE: one launch instead of three at decode (count 2.5 + scan 1.2 + scatter 2.3 us
@@ -161,7 +167,8 @@ def moe_align(topk_ids: torch.Tensor, num_local: int, first_expert: int, block_m
                                   HAS_WEIGHTS=tw is not None, BLOCK=max(2, triton.next_power_of_2(r)),
                                   BLOCK_M=block_m, E_PAD=e_pad,
                                   ROWS_PAD=triton.next_power_of_2(max_rows),
-                                  MB_PAD=triton.next_power_of_2(max_blocks), num_warps=4, **pdl)
+                                  MB_PAD=triton.next_power_of_2(max_blocks), PAIRWISE=SMALL_PAIRWISE,
+                                  num_warps=4, **pdl)
         return out
     chunk_counts = torch.empty((c, e_pad), **i32)
     chunk_base = torch.empty((c, e_pad), **i32)

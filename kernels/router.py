@@ -13,8 +13,9 @@ unbiased weights renormalised and scaled, ids sorted ascending per token.
 Design (measured with `scripts/gpu_check_router.py`; `gpu_check_routed.py` times the stage):
 * logits, fp32 accumulation (bf16 x bf16 products are exact in fp32, so only the
   summation order can differ from `x.float() @ W.float().T`): for T <= GEMV_MAX_T on a
-  GPU a Triton GEMV over the gate weight (one launch), else one cuBLAS call
-  (`logits_impl` forces either);
+  GPU a Triton GEMV over the gate weight (one launch), up to MMA_MAX_T a Triton
+  tensor-core kernel split over H with its ordered reduction in the same launch, else one
+  cuBLAS call (`logits_impl` forces any);
 * scores `sqrt(softplus(logits))`: on a GPU computed inside the top-k kernel with
   libdevice `log1p`/`exp` and the IEEE square root, bitwise torch's CUDA `softplus` +
   `sqrt` for every fp32 input (exhaustive H200 check in `scripts/gpu_check_router.py`);
@@ -35,7 +36,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["route_topk", "router_logits", "router_logits_gemv", "gemv_blocks", "GEMV_MAX_T", "check_route_args"]
+__all__ = ["route_topk", "router_logits", "router_logits_gemv", "router_logits_mma", "gemv_blocks", "mma_blocks",
+           "GEMV_MAX_T", "MMA_MAX_T", "check_route_args"]
 
 _E_MAX = 4096  # one register vector per token; DeepSeek-V4 has E <= 384
 # NOTE: the logits GEMV replaces cuBLAS up to this many tokens. H200, CUDA graphs, gate
@@ -47,6 +49,14 @@ _E_MAX = 4096  # one register vector per token; DeepSeek-V4 has E <= 384
 #                          T=8 11.93 vs 18.98
 # (the session-4 router, cuBLAS + torch softplus + sqrt + top-k: 14.2-15.3 us at T <= 4).
 GEMV_MAX_T = 4
+# NOTE (session 26): from GEMV_MAX_T + 1 to MMA_MAX_T tokens the logits come from a Triton
+# tensor-core kernel split over H with an in-kernel ordered reduction (`router_logits_mma`,
+# one launch) instead of cuBLAS, whose split-K GEMM + reduce took 6.4-7.2 us end to end at T =
+# 8-16 inside a graph of forwards (scripts/gpu_timeline_layer.py; Flash and Pro). bf16 gate
+# weights only (an fp32 gate goes to cuBLAS). A/B switch: MMA_MAX_T = 0.
+MMA_MAX_T = 64
+# K chunk per program of router_logits_mma (a multiple of 128): H / MMA_K_PER splits
+MMA_K_PER = 256
 # The top-k kernel's launch: warps per token program (0: 4 for E > 256, else 2) and the packed
 # selection (one int64 max per round instead of max + min + sum, _router._topk_token) up to
 # TOPK_PACKED_MAX_T tokens; same bits either way. A/B switches. NOTE (session 25, H200,
@@ -61,7 +71,7 @@ GEMV_MAX_T = 4
 TOPK_WARPS = 0
 TOPK_PACKED = True
 TOPK_PACKED_MAX_T = 256
-_LOGITS_IMPLS = ("auto", "gemv", "mm")
+_LOGITS_IMPLS = ("auto", "gemv", "mma", "mm")
 _SCORES_IMPLS = ("auto", "kernel", "torch")
 _MM_OUT_DTYPE_OK: dict[str, bool] = {}
 
@@ -134,6 +144,46 @@ def router_logits_gemv(x: torch.Tensor, weight: torch.Tensor,
     return out
 
 
+def mma_blocks(t: int, e: int, h: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_E, BLOCK_T, BLOCK_K, K_PER, SPLITS) of router_logits_mma for T tokens, E
+    experts, hidden size H: 64 gate rows x up to 64 tokens per tile (the tokens are the MMA's
+    N, padded to 16), H in chunks of MMA_K_PER (E = 384, H = 7168: 6 x 28 programs)."""
+    bt = min(64, max(16, 1 << max(0, t - 1).bit_length()))
+    k_per = min(MMA_K_PER, -(-h // 128) * 128)
+    return 64, bt, 128, k_per, -(-h // k_per)
+
+
+def router_logits_mma(x: torch.Tensor, weight: torch.Tensor,
+                      blocks: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """[T, H] bf16 @ [E, H]^T (bf16) -> [T, E] float32 by the Triton tensor-core kernel
+    (`_router_logits_mma_kernel`, one launch); `blocks` overrides `mma_blocks` (probes)."""
+    import triton  # noqa: PLC0415
+
+    from ._router import _router_logits_mma_kernel
+    from ._triton_utils import interpreting, pdl_options
+    from .split_k import tile_counters
+    t, h = x.shape
+    e = weight.shape[0]
+    _check(weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16,
+           f"router_logits_mma: x and weight must be bfloat16, got {x.dtype} / {weight.dtype}")
+    out = torch.empty((t, e), dtype=torch.float32, device=x.device)
+    if t == 0:
+        return out
+    be, bt, bk, k_per, splits = blocks or mma_blocks(t, e, h)
+    _check(k_per % bk == 0 and splits * k_per >= h,
+           f"router_logits_mma: blocks={blocks!r}: K_PER must be a multiple of BLOCK_K and cover H={h}")
+    grid = (triton.cdiv(e, be), splits, triton.cdiv(t, bt))
+    ws = torch.empty((splits, t, e) if splits > 1 else (1,), dtype=torch.float32, device=x.device)
+    cnt = tile_counters(x.device, grid[0] * grid[2])
+    x = x.contiguous()
+    weight = weight.contiguous()
+    _router_logits_mma_kernel[grid](
+        x, weight, out, ws, cnt, t, e, x.stride(0), weight.stride(0), out.stride(0),
+        H=h, BLOCK_E=be, BLOCK_T=bt, BLOCK_K=bk, K_PER=k_per, SPLITS=splits, SOFTWARE=interpreting(),
+        num_warps=4, **pdl_options(x.device))
+    return out
+
+
 def check_route_args(x, weight, bias, tid2eid, input_ids, top_k, routed_scaling_factor):
     """Validate route_topk's (and route_front's) router arguments; -> (T, H, E, hashed)."""
     _check(isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype == torch.bfloat16,
@@ -171,7 +221,8 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                scores_impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Route T tokens to top_k of E experts; see the module docstring for layouts.
 
-    logits_impl: "auto" | "gemv" (Triton GEMV) | "mm" (cuBLAS / torch); scores_impl:
+    logits_impl: "auto" | "gemv" (Triton GEMV) | "mma" (Triton tensor-core kernel, bf16 weight)
+    | "mm" (cuBLAS / torch); scores_impl:
     "auto" | "kernel" (in the top-k kernel, GPU only) | "torch"."""
     from ._triton_utils import interpreting  # noqa: PLC0415
 
@@ -187,8 +238,13 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     out_ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
     if t == 0:
         return out_w, out_ids
-    use_gemv = logits_impl == "gemv" or (logits_impl == "auto" and x.is_cuda and t <= GEMV_MAX_T)
-    logits = router_logits_gemv(x, weight) if use_gemv else router_logits(x, weight)
+    auto = logits_impl == "auto" and x.is_cuda
+    if logits_impl == "gemv" or (auto and t <= GEMV_MAX_T):
+        logits = router_logits_gemv(x, weight)
+    elif logits_impl == "mma" or (auto and t <= MMA_MAX_T and weight.dtype == torch.bfloat16):
+        logits = router_logits_mma(x, weight)
+    else:
+        logits = router_logits(x, weight)
     apply_scores = scores_impl == "kernel" or (scores_impl == "auto" and on_gpu)
     scores = logits if apply_scores else torch.sqrt(torch.nn.functional.softplus(logits))
     import triton  # noqa: PLC0415  (lazy: importing dsv4_moe.kernels never needs triton)

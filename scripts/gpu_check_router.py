@@ -7,15 +7,18 @@ scores  every fp32 bit pattern (2^32, in chunks): `_sqrt_softplus` (libdevice lo
         IEEE sqrt) against torch.sqrt(F.softplus(x)) on the same GPU; must be bitwise
         (NaN payloads compared as "both NaN"). Then route_topk with scores in the kernel
         vs scores by torch, on the same logits: ids and weights bitwise.
-ids     route_topk (auto: GEMV logits for T <= GEMV_MAX_T, in-kernel scores) against the
-        reference on the CPU, Flash and Pro gate shapes, biased and hash routing: share of
-        tokens whose ids differ, and whether each differing token is a near-tie; the logits'
-        largest error over sum_k |x_k w_k| (GEMV and cuBLAS), bounded by K * 2^-24.
-align   moe_align impl="small" (one launch) == impl="chunked" (three) on the GPU, every
-        output, T = 1..10 at Flash / Pro-TP8 / EP shapes; and their CUDA-graph times.
+ids     route_topk (auto: GEMV logits for T <= GEMV_MAX_T, tensor-core logits to MMA_MAX_T,
+        in-kernel scores) against the reference on the CPU, Flash and Pro gate shapes, biased
+        and hash routing: share of tokens whose ids differ, and whether each differing token
+        is a near-tie; the logits' largest error over sum_k |x_k w_k| (GEMV, tensor-core
+        kernel and cuBLAS), bounded by K * 2^-24.
+align   moe_align impl="small" (one launch; its pairwise form and, to 64 routes, the one-hot
+        form) == impl="chunked" (three) on the GPU, every output, T = 1..21 at Flash /
+        Pro-TP8 / EP shapes; and their CUDA-graph times.
 time    CUDA-graph replay, gate weights rotated over 32 copies (so the 60 MB L2 does not
         hold them): the session-4 router (cuBLAS + torch softplus/sqrt + top-k) against
-        cuBLAS + in-kernel scores and GEMV + in-kernel scores, and GEMV block variants.
+        cuBLAS / GEMV / tensor-core logits + in-kernel scores, and GEMV and tensor-core
+        block variants.
 topk    (not in the default parts) the top-k kernel's launch switches (router.TOPK_PACKED /
         TOPK_WARPS): route_topk bitwise the default and its graph time per variant.
 Writes $OUT/router.json and prints one line per row.
@@ -33,7 +36,8 @@ import triton.language as tl
 
 from dsv4_moe import reference as ref
 from dsv4_moe.kernels._router import _sqrt_softplus
-from dsv4_moe.kernels.router import GEMV_MAX_T, gemv_blocks, route_topk, router_logits, router_logits_gemv
+from dsv4_moe.kernels.router import (GEMV_MAX_T, MMA_MAX_T, gemv_blocks, mma_blocks, route_topk, router_logits,
+                                     router_logits_gemv, router_logits_mma)
 
 DEV = torch.device("cuda")
 ROWS: list[dict] = []
@@ -93,10 +97,11 @@ def check_ids():
         w = (torch.randn(e, h, device=DEV, generator=g) * 0.02).bfloat16()
         bias = torch.randn(e, device=DEV, generator=g) * 0.01
         tab = torch.stack([torch.randperm(e)[:6] for _ in range(1000)]).to(DEV)
-        for t in (1, 4, 16, 64, 1024):
+        for t in (1, 4, 8, 16, 32, 64, 1024):
             x = torch.randn(t, h, device=DEV, generator=g).bfloat16()
             lg = router_logits_gemv(x, w)
             lm = router_logits(x, w)
+            lt = router_logits_mma(x, w)
             exact = x.double() @ w.double().T
             # error against the dot product's own bound sum_k |x_k w_k| (the max relative error
             # of session <= 23 divided by |logit|, which near zero reads large for a few-ulp
@@ -105,6 +110,7 @@ def check_ids():
             bound = h * 2.0 ** -24
             err_g = float(((lg.double() - exact).abs() / mag).max())
             err_m = float(((lm.double() - exact).abs() / mag).max())
+            err_t = float(((lt.double() - exact).abs() / mag).max())
             tw, ids = route_topk(x, w, bias, None, None, 6, 1.5)
             rw, rids = ref.route(x.cpu(), w.cpu(), bias.cpu(), None, None, 6, 1.5)
             mism = (ids.cpu().long() != rids).any(1)
@@ -113,10 +119,11 @@ def check_ids():
             near_tie = (top[:, 5] - top[:, 6]).abs() <= 1e-5 * top[:, 5].abs()
             okr = ~mism
             wrel = float(((tw.cpu()[okr] - rw[okr]).abs() / rw[okr]).max()) if okr.any() else 0.0
-            emit(check="ids_vs_reference", shape=name, T=t, logits="gemv" if t <= GEMV_MAX_T else "mm",
-                 gemv_logit_err=err_g, mm_logit_err=err_m, err_bound=bound, id_mismatch_tokens=int(mism.sum()),
-                 off_tie=int((mism & ~near_tie).sum()), w_rel=wrel,
-                 ok=int((mism & ~near_tie).sum()) == 0 and wrel < 1e-5 and max(err_g, err_m) <= bound)
+            emit(check="ids_vs_reference", shape=name, T=t,
+                 logits="gemv" if t <= GEMV_MAX_T else "mma" if t <= MMA_MAX_T else "mm",
+                 gemv_logit_err=err_g, mm_logit_err=err_m, mma_logit_err=err_t, err_bound=bound,
+                 id_mismatch_tokens=int(mism.sum()), off_tie=int((mism & ~near_tie).sum()), w_rel=wrel,
+                 ok=int((mism & ~near_tie).sum()) == 0 and wrel < 1e-5 and max(err_g, err_m, err_t) <= bound)
             ids_in = torch.randint(0, 1000, (t,), device=DEV)
             hw, hids = route_topk(x, w, None, tab, ids_in, 6, 1.5)
             rhw, rhids = ref.route(x.cpu(), w.cpu(), None, tab.cpu(), ids_in.cpu(), 6, 1.5)
@@ -125,22 +132,32 @@ def check_ids():
 
 
 def check_align():
+    import dsv4_moe.kernels.moe_align as ma
     from dsv4_moe.kernels.moe_align import moe_align
     fields = ("sorted_route_ids", "block_expert", "num_valid_blocks", "expert_offsets", "expert_counts",
               "route_rows", "row_expert", "row_weight")
     g = torch.Generator().manual_seed(4)
     for e, first, num_local, bm in ((256, 0, 256, 16), (384, 0, 384, 16), (384, 96, 48, 16), (256, 0, 256, 1),
                                     (256, 0, 256, 64)):
-        for t in (1, 2, 4, 7, 10):
+        for t in (1, 2, 4, 7, 8, 10, 12, 16, 21):
             ids = torch.stack([torch.randperm(e, generator=g)[:6] for _ in range(t)]).sort(1).values.int().to(DEV)
             tw = torch.rand(t, 6, generator=g).to(DEV)
             a = moe_align(ids, num_local, first, bm, tw, impl="small")
             b = moe_align(ids, num_local, first, bm, tw, impl="chunked")
             ok = all(torch.equal(getattr(a, f), getattr(b, f)) for f in fields)
+            if t * 6 <= 64:  # the one-hot form (session <= 25) too
+                ma.SMALL_PAIRWISE = False
+                c = moe_align(ids, num_local, first, bm, tw, impl="small")
+                ok = ok and all(torch.equal(getattr(c, f), getattr(b, f)) for f in fields)
+                ma.SMALL_PAIRWISE = True
             row = dict(check="align_small_vs_chunked", E=e, first=first, local=num_local, bm=bm, T=t, ok=ok)
-            if t in (1, 4) and bm == 16 and first == 0:
+            if t in (1, 4, 8, 16) and bm == 16 and first == 0:
                 row["small_us"] = graph_us(lambda: moe_align(ids, num_local, first, bm, tw, impl="small"))
                 row["chunked_us"] = graph_us(lambda: moe_align(ids, num_local, first, bm, tw, impl="chunked"))
+                if t * 6 <= 64:
+                    ma.SMALL_PAIRWISE = False
+                    row["small_onehot_us"] = graph_us(lambda: moe_align(ids, num_local, first, bm, tw, impl="small"))
+                    ma.SMALL_PAIRWISE = True
             emit(**row)
 
 
@@ -182,6 +199,7 @@ def time_router(budget_s, tokens=(1, 2, 4, 8, 16, 32, 64, 256, 1024)):
                 "s4 mm+torch": dict(logits_impl="mm", scores_impl="torch"),
                 "mm+kernel": dict(logits_impl="mm", scores_impl="kernel"),
                 "gemv+kernel": dict(logits_impl="gemv", scores_impl="kernel"),
+                "mma+kernel": dict(logits_impl="mma", scores_impl="kernel"),
                 "auto": {},
             }
             res = {}
@@ -211,6 +229,14 @@ def time_router(budget_s, tokens=(1, 2, 4, 8, 16, 32, 64, 256, 1024)):
                     for c in range(copies):
                         router_logits(xs[c], ws[c])
                 res["mm_only"] = graph_us(fn4, inner=1) / copies
+                be, bt, bk, k_per, splits = mma_blocks(t, e, h)
+                for kp in (128, 256, 512, 1024):  # session 26: the tensor-core logits' K chunk
+                    blk = (be, bt, bk, kp, -(-h // kp))
+
+                    def fn5(blk=blk):
+                        for c in range(copies):
+                            router_logits_mma(xs[c], ws[c], blocks=blk)
+                    res[f"mma_only {blk}{' default' if kp == k_per else ''}"] = graph_us(fn5, inner=1) / copies
             for label, us in res.items():
                 emit(check="time", shape=name, T=t, variant=label, us=us, TBps=e * h * 2 / us / 1e6)
 

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from dsv4_moe import reference as ref  # noqa: E402
-from dsv4_moe.kernels.router import gemv_blocks, route_topk, router_logits_gemv  # noqa: E402
+from dsv4_moe.kernels.router import gemv_blocks, mma_blocks, route_topk, router_logits_gemv, router_logits_mma  # noqa: E402
 
 SCALE = 1.5
 
@@ -27,7 +27,7 @@ def _inputs(t, h, e, seed):
     return x, w, bias
 
 
-@pytest.mark.parametrize("logits_impl", ["mm", "gemv"])
+@pytest.mark.parametrize("logits_impl", ["mm", "gemv", "mma"])
 @pytest.mark.parametrize("t,e,k", [(1, 8, 3), (5, 16, 6), (33, 16, 4), (17, 384, 6)])
 def test_biased_topk_vs_reference(t, e, k, logits_impl):
     x, w, bias = _inputs(t, 256, e, t + e)
@@ -107,6 +107,51 @@ def test_logits_gemv(t, e, h, wdtype):
     w1 = torch.zeros(e, h, dtype=wdtype)
     w1[torch.arange(e), torch.arange(e) * 3 % h] = 2.0
     assert torch.equal(router_logits_gemv(x, w1), x.float() @ w1.float().T)
+
+
+@pytest.mark.parametrize("t,e,h,blocks", [
+    (8, 384, 640, None),                  # 3 splits of 256 (the last one a half), 6 gate tiles
+    (17, 70, 512, None),                  # a partial gate tile, 17 tokens in a 32-wide tile
+    (5, 96, 1024, (64, 16, 128, 256, 4)),
+    (70, 64, 256, (64, 64, 128, 128, 2)),  # two token tiles, the second partial
+    (3, 40, 384, (64, 16, 128, 384, 1))])  # unsplit: stored without the reduction
+def test_logits_mma(t, e, h, blocks):
+    """The tensor-core logits (split over H, the splits summed in order by the tile's last
+    program): within fp32 accumulation error of the float64 sum, and bitwise wherever the
+    sums are exact (one-hot gate rows); the arrival counters are left at 0, so a second
+    call (as a CUDA-graph replay would) gives the same bits."""
+    from dsv4_moe.kernels.split_k import tile_counters
+
+    g = torch.Generator().manual_seed(t * 7 + e)
+    x = torch.randn(t, h, generator=g).bfloat16()
+    w = (torch.randn(e, h, generator=g) * 0.05).bfloat16()
+    got = router_logits_mma(x, w, blocks)
+    exact = x.double() @ w.double().T
+    assert got.dtype == torch.float32 and got.shape == (t, e)
+    bound = 4 * h * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)
+    bad = (got.double() - exact).abs() > bound
+    assert not bad.any(), f"{int(bad.sum())} logits off the fp32 bound; first at {bad.nonzero()[0].tolist()}"
+    assert torch.equal(router_logits_mma(x, w, blocks), got)
+    assert int(tile_counters(x.device, 1).abs().sum()) == 0, "arrival counters not reset"
+    w1 = torch.zeros(e, h, dtype=torch.bfloat16)
+    w1[torch.arange(e), torch.arange(e) * 5 % h] = 2.0
+    assert torch.equal(router_logits_mma(x, w1, blocks), x.float() @ w1.float().T)
+    # negative control: a gate row shifted by one column is far outside the bound
+    shifted = router_logits_mma(x, torch.roll(w, 1, dims=1), blocks)
+    assert ((shifted.double() - exact).abs() > bound).any()
+
+
+def test_logits_mma_blocks_and_guards():
+    for t in range(1, 65):
+        be, bt, bk, k_per, splits = mma_blocks(t, 384, 7168)
+        assert be == 64 and 16 <= bt <= 64 and bt >= t and k_per % bk == 0 and splits * k_per >= 7168
+    assert mma_blocks(16, 384, 7168) == (64, 16, 128, 256, 28)
+    assert mma_blocks(8, 256, 4096)[4] == 16
+    with pytest.raises(ValueError, match="must be bfloat16"):
+        router_logits_mma(torch.randn(2, 128).bfloat16(), torch.randn(8, 128))
+    with pytest.raises(ValueError, match="K_PER must be a multiple of BLOCK_K"):
+        router_logits_mma(torch.randn(2, 256).bfloat16(), torch.randn(8, 256).bfloat16(), (64, 16, 128, 192, 2))
+    assert router_logits_mma(torch.randn(0, 64).bfloat16(), torch.randn(8, 64).bfloat16()).shape == (0, 8)
 
 
 def test_logits_gemv_blocks_cover_every_t():

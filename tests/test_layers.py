@@ -131,13 +131,14 @@ def test_explain_routed_gemm_plan(monkeypatch):
 def test_explain_router_sub_choices():
     """The router's reason names how the logits and the scores are computed for this T on
     a CUDA context (planning never launches anything, so it runs on the CPU)."""
-    from dsv4_moe.kernels.router import GEMV_MAX_T
+    from dsv4_moe.kernels.router import GEMV_MAX_T, MMA_MAX_T
 
     def reason(t):
         return dispatch.explain(DispatchContext(device=torch.device("cuda"), num_tokens=t), ["router"])
 
     assert f"logits by the Triton GEMV (T <= {GEMV_MAX_T})" in reason(1)
-    assert "logits by cuBLAS (fp32 out)" in reason(GEMV_MAX_T + 1)
+    assert f"logits by the Triton tensor-core kernel (T <= {MMA_MAX_T}, bf16 gate)" in reason(GEMV_MAX_T + 1)
+    assert "logits by cuBLAS (fp32 out)" in reason(MMA_MAX_T + 1)
     assert "sqrt(softplus) in the top-k kernel" in reason(1)
 
 
