@@ -21,7 +21,7 @@ BLOCK_M; experts are in ascending id. Everything is sized from shapes alone:
 max_blocks = min(R, cdiv(R, BLOCK_M) + min(E_local, R)) (each non-empty expert wastes
 less than one block, and every valid block holds at least one route), max_rows =
 max_blocks * BLOCK_M, so the call never syncs and can be captured in a CUDA graph.
-Decode-sized inputs (R <= SMALL_MAX_ROUTES = 128 routes) take one launch, larger ones three
+Decode-sized inputs (R <= SMALL_MAX_ROUTES = 64 routes) take one launch, larger ones three
 (kernels/_moe_align.py; `impl` forces either, and both give the same outputs).
 """
 
@@ -39,11 +39,15 @@ _E_TILE = 64   # experts per one-hot tile in the count kernel
 _SCAN_TILE = 4      # fewest experts per scan program
 _SCAN_CELLS = 4096  # counts per scan program (C_PAD x E_TILE)
 SMALL_MAX_ROWS = 4096  # decode path (one launch) when R <= SMALL_MAX_ROUTES and max_rows <= this
-# NOTE (session 26): the one-launch path on its [routes x routes] form (SMALL_PAIRWISE, see
-# _align_small_body) instead of [routes x experts] one-hot sums, and up to 128 routes (T <= 21
-# at top-6; was 64, beyond which three launches ran). A/B switches.
+# NOTE (session 26, H200, gpu_check_router.py --parts align, graphs, us, one-hot -> pairwise,
+# docs/bench/2026-11-30/session26/): the one-launch path on its [routes x routes] form
+# (SMALL_PAIRWISE, see _align_small_body) instead of [routes x experts] one-hot sums: Flash T=1
+# 2.03 -> 1.60, T=4 3.48 -> 1.86, T=8 5.36 -> 3.92; Pro T=1 2.13 -> 1.68, T=4 4.12 -> 1.92, T=8
+# 6.16 -> 3.90 (three launches: 4.9-5.7). At 96 routes (T = 16, a 128-route tile) it took 10.2
+# against 5.0-5.4 for the three launches, so the one-launch path keeps its 64-route limit.
+# A/B switches.
 SMALL_PAIRWISE = True
-SMALL_MAX_ROUTES = 128
+SMALL_MAX_ROUTES = 64
 
 
 @dataclass

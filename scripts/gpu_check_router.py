@@ -13,7 +13,7 @@ ids     route_topk (auto: GEMV logits for T <= GEMV_MAX_T, tensor-core logits to
         is a near-tie; the logits' largest error over sum_k |x_k w_k| (GEMV, tensor-core
         kernel and cuBLAS), bounded by K * 2^-24.
 align   moe_align impl="small" (one launch; its pairwise form and, to 64 routes, the one-hot
-        form) == impl="chunked" (three) on the GPU, every output, T = 1..21 at Flash /
+        form) == impl="chunked" (three) on the GPU, every output, T = 1..10 at Flash /
         Pro-TP8 / EP shapes; and their CUDA-graph times.
 time    CUDA-graph replay, gate weights rotated over 32 copies (so the 60 MB L2 does not
         hold them): the session-4 router (cuBLAS + torch softplus/sqrt + top-k) against
@@ -139,9 +139,11 @@ def check_align():
     g = torch.Generator().manual_seed(4)
     for e, first, num_local, bm in ((256, 0, 256, 16), (384, 0, 384, 16), (384, 96, 48, 16), (256, 0, 256, 1),
                                     (256, 0, 256, 64)):
-        for t in (1, 2, 4, 7, 8, 10, 12, 16, 21):
+        for t in (1, 2, 4, 7, 8, 10):
             ids = torch.stack([torch.randperm(e, generator=g)[:6] for _ in range(t)]).sort(1).values.int().to(DEV)
             tw = torch.rand(t, 6, generator=g).to(DEV)
+            if t * 6 > ma.SMALL_MAX_ROUTES or ma.align_sizes(t * 6, num_local, bm)[1] > ma.SMALL_MAX_ROWS:
+                continue  # past the one-launch path's limits
             a = moe_align(ids, num_local, first, bm, tw, impl="small")
             b = moe_align(ids, num_local, first, bm, tw, impl="chunked")
             ok = all(torch.equal(getattr(a, f), getattr(b, f)) for f in fields)
@@ -151,7 +153,7 @@ def check_align():
                 ok = ok and all(torch.equal(getattr(c, f), getattr(b, f)) for f in fields)
                 ma.SMALL_PAIRWISE = True
             row = dict(check="align_small_vs_chunked", E=e, first=first, local=num_local, bm=bm, T=t, ok=ok)
-            if t in (1, 4, 8, 16) and bm == 16 and first == 0:
+            if t in (1, 4, 8, 10) and bm == 16 and first == 0:
                 row["small_us"] = graph_us(lambda: moe_align(ids, num_local, first, bm, tw, impl="small"))
                 row["chunked_us"] = graph_us(lambda: moe_align(ids, num_local, first, bm, tw, impl="chunked"))
                 if t * 6 <= 64:
