@@ -45,8 +45,14 @@ SMALL_MAX_ROWS = 4096  # decode path (one launch) when R <= SMALL_MAX_ROUTES and
 # 2.03 -> 1.60, T=4 3.48 -> 1.86, T=8 5.36 -> 3.92; Pro T=1 2.13 -> 1.68, T=4 4.12 -> 1.92, T=8
 # 6.16 -> 3.90 (three launches: 4.9-5.7). At 96 routes (T = 16, a 128-route tile) it took 10.2
 # against 5.0-5.4 for the three launches, so the one-launch path keeps its 64-route limit.
-# A/B switches.
+# In the layer (gpu_profile_layer.py --ab, 12 forwards per graph, 3 captures each, median, us,
+# pairwise / one-hot): Pro-TP8 (E_pad 512) T=2 49.3 / 51.5, T=4 71.6 / 73.9, T=8 100.1 / 106.2;
+# Flash (E_pad 256) T=8 208.9 / 213.5 but T=2 95.6 / 92.8 and T=4 142.0 / 133.8 - slower, though
+# the kernel alone is faster there (not understood; docs/DESIGN.md, session 26). So pairwise
+# where the one-hot tile is widest (E_pad > 256) and, on narrower ones, from
+# SMALL_PAIRWISE_MIN_ROUTES routes. A/B switches.
 SMALL_PAIRWISE = True
+SMALL_PAIRWISE_MIN_ROUTES = 48
 SMALL_MAX_ROUTES = 64
 
 
@@ -152,10 +158,9 @@ def moe_align(topk_ids: torch.Tensor, num_local: int, first_expert: int, block_m
     ids = topk_ids.contiguous().view(-1)
     c = triton.cdiv(r, _BLOCK)
     e_pad = max(triton.next_power_of_2(num_local), _E_TILE)
-    small_max_r = SMALL_MAX_ROUTES if SMALL_PAIRWISE else _BLOCK
-    small_ok = r <= small_max_r and max_rows <= SMALL_MAX_ROWS
+    small_ok = r <= SMALL_MAX_ROUTES and max_rows <= SMALL_MAX_ROWS
     if impl == "small" and not small_ok:
-        raise ValueError(f"impl='small': needs R <= {small_max_r} routes and max_rows <= {SMALL_MAX_ROWS}, "
+        raise ValueError(f"impl='small': needs R <= {SMALL_MAX_ROUTES} routes and max_rows <= {SMALL_MAX_ROWS}, "
                          f"got R={r}, max_rows={max_rows}")
     if impl == "small" or (impl == "auto" and small_ok):
         # NOTE: one launch instead of three at decode (count 2.5 + scan 1.2 + scatter 2.3 us
@@ -171,7 +176,8 @@ def moe_align(topk_ids: torch.Tensor, num_local: int, first_expert: int, block_m
                                   HAS_WEIGHTS=tw is not None, BLOCK=max(2, triton.next_power_of_2(r)),
                                   BLOCK_M=block_m, E_PAD=e_pad,
                                   ROWS_PAD=triton.next_power_of_2(max_rows),
-                                  MB_PAD=triton.next_power_of_2(max_blocks), PAIRWISE=SMALL_PAIRWISE,
+                                  MB_PAD=triton.next_power_of_2(max_blocks),
+                                  PAIRWISE=SMALL_PAIRWISE and (e_pad > 256 or r >= SMALL_PAIRWISE_MIN_ROUTES),
                                   num_warps=4, **pdl)
         return out
     chunk_counts = torch.empty((c, e_pad), **i32)

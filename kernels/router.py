@@ -53,10 +53,18 @@ GEMV_MAX_T = 4
 # tensor-core kernel split over H with an in-kernel ordered reduction (`router_logits_mma`,
 # one launch) instead of cuBLAS, whose split-K GEMM + reduce took 6.4-7.2 us end to end at T =
 # 8-16 inside a graph of forwards (scripts/gpu_timeline_layer.py; Flash and Pro). bf16 gate
-# weights only (an fp32 gate goes to cuBLAS). A/B switch: MMA_MAX_T = 0.
-MMA_MAX_T = 64
+# weights only (an fp32 gate goes to cuBLAS). H200 (gpu_check_router.py --parts time, 32
+# rotated gate copies in a graph, us, logits only; docs/bench/2026-11-30/session26/), cuBLAS
+# against K chunks of 256 / 512 / 1024: Flash T=8 7.04 / 4.47 / 4.55 / 5.70, T=16 7.21 / 4.65 /
+# 4.69 / 5.82, T=32 7.24 / 6.01 / 5.54 / 6.63, T=64 7.36 / 8.45 / 7.02 / 7.76; Pro T=8 7.44 /
+# 6.46 / 5.49 / 6.28, T=16 7.70 / 6.85 / 5.81 / 6.56, T=32 7.82 / 9.69 / 7.26 / 7.22, T=64 8.20 /
+# 12.79 / 9.24 / 9.00. So chunks of 512, to T = 32. In the layer with chunks of 256 (12
+# forwards per graph, 3 captures, us, kernel / cuBLAS): Flash T=8 207.6 / 209.4, T=16 351.3 /
+# 352.8; Pro T=8 100.3 / 100.1, T=16 161.0 / 160.9, T=32 280.8 / 276.4, T=64 392.3 / 385.1.
+# A/B switch: MMA_MAX_T = 0.
+MMA_MAX_T = 32
 # K chunk per program of router_logits_mma (a multiple of 128): H / MMA_K_PER splits
-MMA_K_PER = 256
+MMA_K_PER = 512
 # The top-k kernel's launch: warps per token program (0: 4 for E > 256, else 2) and the packed
 # selection (one int64 max per round instead of max + min + sum, _router._topk_token) up to
 # TOPK_PACKED_MAX_T tokens; same bits either way. A/B switches. NOTE (session 25, H200,
@@ -147,7 +155,7 @@ def router_logits_gemv(x: torch.Tensor, weight: torch.Tensor,
 def mma_blocks(t: int, e: int, h: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_E, BLOCK_T, BLOCK_K, K_PER, SPLITS) of router_logits_mma for T tokens, E
     experts, hidden size H: 64 gate rows x up to 64 tokens per tile (the tokens are the MMA's
-    N, padded to 16), H in chunks of MMA_K_PER (E = 384, H = 7168: 6 x 28 programs)."""
+    N, padded to 16), H in chunks of MMA_K_PER (E = 384, H = 7168: 6 x 14 programs)."""
     bt = min(64, max(16, 1 << max(0, t - 1).bit_length()))
     k_per = min(MMA_K_PER, -(-h // 128) * 128)
     return 64, bt, 128, k_per, -(-h // k_per)

@@ -110,8 +110,8 @@ def test_logits_gemv(t, e, h, wdtype):
 
 
 @pytest.mark.parametrize("t,e,h,blocks", [
-    (8, 384, 640, None),                  # 3 splits of 256 (the last one a half), 6 gate tiles
-    (17, 70, 512, None),                  # a partial gate tile, 17 tokens in a 32-wide tile
+    (8, 384, 640, None),                  # 2 splits of 512 (the last one a quarter), 6 gate tiles
+    (17, 70, 512, None),                  # unsplit (one chunk), a partial gate tile, 17 tokens in 32
     (5, 96, 1024, (64, 16, 128, 256, 4)),
     (70, 64, 256, (64, 64, 128, 128, 2)),  # two token tiles, the second partial
     (3, 40, 384, (64, 16, 128, 384, 1))])  # unsplit: stored without the reduction
@@ -145,8 +145,8 @@ def test_logits_mma_blocks_and_guards():
     for t in range(1, 65):
         be, bt, bk, k_per, splits = mma_blocks(t, 384, 7168)
         assert be == 64 and 16 <= bt <= 64 and bt >= t and k_per % bk == 0 and splits * k_per >= 7168
-    assert mma_blocks(16, 384, 7168) == (64, 16, 128, 256, 28)
-    assert mma_blocks(8, 256, 4096)[4] == 16
+    assert mma_blocks(16, 384, 7168) == (64, 16, 128, 512, 14)
+    assert mma_blocks(8, 256, 4096)[4] == 8
     with pytest.raises(ValueError, match="must be bfloat16"):
         router_logits_mma(torch.randn(2, 128).bfloat16(), torch.randn(8, 128))
     with pytest.raises(ValueError, match="K_PER must be a multiple of BLOCK_K"):
