@@ -7,10 +7,12 @@ arguments and a private body (`_<op>.py`) with the @triton.jit kernels.
     act_quant            1x128 UE8M0 FP8 activation quantisation            act_quant.py
     swiglu_quant         fused clamped SwiGLU (+route weight) + FP8 quant   swiglu_quant.py
     swiglu_quant_unfused its bitwise twin (bf16 activation materialised)    swiglu_quant.py
+    swiglu_quant_partials  the same on a split-K GEMM's fp32 partials        swiglu_quant.py
     fp8_block_gemm_nt    FP8 1x128 x 128x128 block-scaled GEMM, bf16 out     fp8_block_gemm.py
     fp8_scaled_mm_nt     the same through torch's blockwise scaled_mm       scaled_mm_fp8.py
     fp8_deep_gemm_nt     the same through deep_gemm (when importable)       deep_gemm_fp8.py
     route_topk           router: sqrt-softplus, biased top-k / hash, renorm router.py
+    router_logits_mma    router logits on the tensor cores (T = 5-16)       router.py
     moe_align            (token, slot) pairs grouped by expert, padded      moe_align.py
     mxfp4_grouped_gemm   MXFP4 W4A8 grouped GEMM (e2m1 -> e4m3 in registers) mxfp4_grouped_gemm.py
     routed_experts_forward  align -> gate_up -> swiglu_quant -> down          routed_experts.py
@@ -25,14 +27,15 @@ import importlib
 _EXPORTS = {
     "act_quant": "act_quant",
     "swiglu_quant": "swiglu_quant", "swiglu_quant_unfused": "swiglu_quant", "choose_strategy": "swiglu_quant",
+    "swiglu_quant_partials": "swiglu_quant",
     "fp8_block_gemm_nt": "fp8_block_gemm", "choose_config": "fp8_block_gemm",
     "fp8_scaled_mm_nt": "scaled_mm_fp8", "prepare_weight_scale": "scaled_mm_fp8",
     "scaled_mm_supported": "scaled_mm_fp8",
     "fp8_deep_gemm_nt": "deep_gemm_fp8", "deep_gemm_supported": "deep_gemm_fp8",
-    "route_topk": "router", "router_logits": "router",
+    "route_topk": "router", "router_logits": "router", "router_logits_mma": "router",
     "moe_align": "moe_align", "MoeAlignment": "moe_align", "align_sizes": "moe_align",
     "mxfp4_grouped_gemm": "mxfp4_grouped_gemm", "GemmConfig": "mxfp4_grouped_gemm",
-    "select_config": "mxfp4_grouped_gemm",
+    "select_config": "mxfp4_grouped_gemm", "split_parts": "mxfp4_grouped_gemm",
     "finalize_shared_add": "finalize", "finalize_unfused": "finalize", "finalize_partial": "finalize",
     "add_shared_round": "finalize",
     "routed_experts_forward": "routed_experts", "routed_configs": "routed_experts",

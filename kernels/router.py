@@ -58,11 +58,12 @@ GEMV_MAX_T = 4
 # against K chunks of 256 / 512 / 1024: Flash T=8 7.04 / 4.47 / 4.55 / 5.70, T=16 7.21 / 4.65 /
 # 4.69 / 5.82, T=32 7.24 / 6.01 / 5.54 / 6.63, T=64 7.36 / 8.45 / 7.02 / 7.76; Pro T=8 7.44 /
 # 6.46 / 5.49 / 6.28, T=16 7.70 / 6.85 / 5.81 / 6.56, T=32 7.82 / 9.69 / 7.26 / 7.22, T=64 8.20 /
-# 12.79 / 9.24 / 9.00. So chunks of 512, to T = 32. In the layer with chunks of 256 (12
-# forwards per graph, 3 captures, us, kernel / cuBLAS): Flash T=8 207.6 / 209.4, T=16 351.3 /
-# 352.8; Pro T=8 100.3 / 100.1, T=16 161.0 / 160.9, T=32 280.8 / 276.4, T=64 392.3 / 385.1.
+# 12.79 / 9.24 / 9.00. In the layer with chunks of 256 (12 forwards per graph, 3 captures, us,
+# kernel / cuBLAS): Flash T=8 207.6 / 209.4, T=16 351.3 / 352.8; Pro T=8 100.3 / 100.1, T=16
+# 161.0 / 160.9, T=32 280.8 / 276.4, T=64 392.3 / 385.1; with chunks of 512: Pro T=16 157.0 /
+# 159.1, T=32 275.8 / 273.9 (captures 274.7-276.9 / 273.6-276.9). So chunks of 512, to T = 16.
 # A/B switch: MMA_MAX_T = 0.
-MMA_MAX_T = 32
+MMA_MAX_T = 16
 # K chunk per program of router_logits_mma (a multiple of 128): H / MMA_K_PER splits
 MMA_K_PER = 512
 # The top-k kernel's launch: warps per token program (0: 4 for E > 256, else 2) and the packed

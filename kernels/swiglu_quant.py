@@ -18,6 +18,10 @@ untouched (pass out_q / out_s to keep what was there). `rows` (int32 [R], e.g.
 `MoeAlignment.route_rows`) instead lists the rows to compute (entries < 0 skipped; each
 row at most once): the kernel's work then follows R, not M (strategy "rows").
 
+`swiglu_quant_partials` takes a split-K GEMM's fp32 partials [P, R, 2I] instead of gate_up
+and sums them first (in order from +0.0, one bf16 rounding: what the GEMM's reduce launch
+writes), so the routed decode path skips that launch; bitwise the reduce + `rows`.
+
 `swiglu_quant_unfused` is the twin made of separate torch ops + act_quant, with the bf16
 activation materialised; fused and unfused are bitwise equal on the same device (the
 contract of SPEC §5). Strategy choice: `choose_strategy` below.
