@@ -43,18 +43,8 @@ def _apply_sets(sets: list[str]) -> None:
 
 def timeline(sets, x, ids, inner: int, replays: int):
     from torch.profiler import ProfilerActivity, profile
-    with torch.no_grad():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                for lay in sets:
-                    lay(x, ids)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for j in range(inner):
-                sets[j % len(sets)](x, ids)
+    from gpu_profile_layer import capture  # scripts/ is on sys.path when this script runs
+    g = capture(sets, x, ids, inner)
     for _ in range(5):
         g.replay()
     torch.cuda.synchronize()
