@@ -365,7 +365,8 @@ class DeepseekV4MoE(_NativeBuffers):
         routed_configs = rx.routed_configs
         routes = num_tokens * self.config.num_experts_per_tok
         parts = []
-        for gemm, cfg in zip(("gate_up", "down"), routed_configs(routes, self.routed)):
+        cfgs = routed_configs(routes, self.routed)
+        for gemm, cfg in zip(("gate_up", "down"), cfgs):
             extra = "".join([f", K split {cfg.split_k} ways" if cfg.split_k > 1 else "",
                              (", bf16 activation pairs (written by act_quant)" if gemm == "gate_up" else
                               ", bf16 activation pairs (written by swiglu_quant)") if cfg.a_bf16 else "",
@@ -382,10 +383,19 @@ class DeepseekV4MoE(_NativeBuffers):
                              ", weight blocks fastest in the grid" if cfg.n_fastest else ""])
             parts.append(f"{gemm} {cfg.kind} {cfg.block_m}x{cfg.block_n}, {cfg.num_warps} warps, "
                          f"{cfg.num_stages} stages{extra}")
-        between = (f"SwiGLU-quant over the {routes} routes' rows (route list)"
-                   if routes >= rx.SWIGLU_ROUTE_LIST_MIN_ROUTES else
-                   f"SwiGLU-quant over the alignment's rows, padding skipped (< "
-                   f"{rx.SWIGLU_ROUTE_LIST_MIN_ROUTES} routes)")
+        from .kernels.mxfp4_grouped_gemm import split_parts
+        parts_up = split_parts(cfgs[0], self.config.hidden_size)
+        fused = dispatch.select("swiglu_quant", self.context(num_tokens)).name != "unfused"
+        if parts_up > 1 and fused and rx.SWIGLU_SUMS_SPLIT:
+            between = (f"SwiGLU-quant over the {routes} routes, summing the split gate_up's {parts_up} fp32 "
+                       f"partials itself (no reduce launch, same bits)")
+        else:
+            between = (f"SwiGLU-quant over the {routes} routes' rows (route list)"
+                       if routes >= rx.SWIGLU_ROUTE_LIST_MIN_ROUTES else
+                       f"SwiGLU-quant over the alignment's rows, padding skipped (< "
+                       f"{rx.SWIGLU_ROUTE_LIST_MIN_ROUTES} routes)")
+            if parts_up > 1:
+                between += f", after the split gate_up's reduce launch ({parts_up} fp32 partials)"
         return (f"\n  routed GEMMs ({routes / self.num_local_experts:.3g} routes per local expert): "
                 + "; ".join(parts) + f"\n  between them: {between}")
 

@@ -54,6 +54,12 @@ SMALL_MAX_ROWS = 4096  # decode path (one launch) when R <= SMALL_MAX_ROUTES and
 SMALL_PAIRWISE = True
 SMALL_PAIRWISE_MIN_ROUTES = 48
 SMALL_MAX_ROUTES = 64
+# Warps of the one-launch kernel. NOTE (session 26, offline sm_90a compile, not yet timed on
+# the H200): the pairwise form at a 64-route tile takes 163 registers and ~1600 SASS
+# instructions per thread in 4 warps, 102 / ~850 in 8, 57 / ~580 in 16; at a 128-route tile
+# (SMALL_MAX_ROUTES = 128) 4 warps spill (255 registers, 352 bytes of stack: the 10.2 us
+# measured at T = 16), 8 do not (255, ~2850). A/B: --set ...moe_align.SMALL_NUM_WARPS=8.
+SMALL_NUM_WARPS = 4
 
 
 @dataclass
@@ -178,7 +184,7 @@ def moe_align(topk_ids: torch.Tensor, num_local: int, first_expert: int, block_m
                                   ROWS_PAD=triton.next_power_of_2(max_rows),
                                   MB_PAD=triton.next_power_of_2(max_blocks),
                                   PAIRWISE=SMALL_PAIRWISE and (e_pad > 256 or r >= SMALL_PAIRWISE_MIN_ROUTES),
-                                  num_warps=4, **pdl)
+                                  num_warps=SMALL_NUM_WARPS, **pdl)
         return out
     chunk_counts = torch.empty((c, e_pad), **i32)
     chunk_base = torch.empty((c, e_pad), **i32)

@@ -52,10 +52,20 @@ def timeline(sets, x, ids, inner: int, replays: int):
         for _ in range(replays):
             g.replay()
         torch.cuda.synchronize()
-    evs = [e for e in prof.profiler.kineto_results.events()
+    evs = [(e.name(), e.start_ns(), e.end_ns()) for e in prof.profiler.kineto_results.events()
            if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0
            and not e.name().startswith(("Memcpy", "Memset"))]
-    evs.sort(key=lambda e: e.start_ns())
+    return forward_table(evs, inner, replays)
+
+
+def forward_table(evs, inner: int, replays: int):
+    """Kernel events [(name, start_ns, end_ns)] of `replays` replays of a graph of `inner`
+    forwards -> ((table, summary), "") or (None, why). Sorted by start, cut into forwards of
+    equal kernel counts; table: [((short name, occurrence in the forward), {start, end, dur}
+    medians in us from the forward's first start)] in the order of the median ends; summary:
+    kernels per forward, the median span and the median period (first start to the next
+    forward's first start, inside one replay)."""
+    evs = sorted(evs, key=lambda e: e[1])
     n = len(evs)
     per = n // (replays * inner) if n else 0
     if per == 0 or n != per * replays * inner:
@@ -64,17 +74,17 @@ def timeline(sets, x, ids, inner: int, replays: int):
     spans, fwd_starts = [], []
     for f in range(replays * inner):
         chunk = evs[f * per:(f + 1) * per]
-        t0 = chunk[0].start_ns()
+        t0 = chunk[0][1]
         fwd_starts.append(t0)
         seen = defaultdict(int)
-        for e in chunk:
-            name = _short(e.name())
+        for name, start, end in chunk:
+            name = _short(name)
             r = rows[(name, seen[name])]
             seen[name] += 1
-            r["start"].append((e.start_ns() - t0) / 1e3)
-            r["end"].append((e.end_ns() - t0) / 1e3)
-            r["dur"].append(e.duration_ns() / 1e3)
-        spans.append((max(e.end_ns() for e in chunk) - t0) / 1e3)
+            r["start"].append((start - t0) / 1e3)
+            r["end"].append((end - t0) / 1e3)
+            r["dur"].append((end - start) / 1e3)
+        spans.append((max(e[2] for e in chunk) - t0) / 1e3)
     periods = [(fwd_starts[f + 1] - fwd_starts[f]) / 1e3 for f in range(len(fwd_starts) - 1)
                if (f + 1) % inner]  # within one replay only
     med = statistics.median

@@ -403,3 +403,34 @@ def test_set_option_sets_a_module_constant_and_notes_it(tmp_path, monkeypatch):
                         ("dsv4_moe.kernels.mxfp4_grouped_gemm.A_PAD_ROWS=x", "is of type int: cannot parse 'x'")):
         with pytest.raises(SystemExit, match=match):
             main(FAST + ["--set", item])
+
+
+def test_timeline_forward_table():
+    """scripts/gpu_timeline_layer.py's cut of a graph replay's kernel events into forwards:
+    medians per (kernel, occurrence) relative to each forward's first start, ordered by end;
+    the period inside a replay only (the gap between replays is not a forward's cost); a
+    count that does not divide into forwards is refused."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    from gpu_timeline_layer import forward_table
+
+    evs = []
+    for rep in range(2):                       # 2 replays x 3 forwards, 100 us apart, replays 10 ms apart
+        for f in range(3):
+            t0 = rep * 10_000_000 + f * 100_000
+            evs += [("_router_logits_kernel(int)", t0, t0 + 5_000),
+                    ("_mxfp4_grouped_gemm_swap_kernel", t0 + 4_000, t0 + 60_000),   # PDL: starts early
+                    ("_mxfp4_grouped_gemm_swap_kernel", t0 + 61_000, t0 + 90_000),
+                    ("_finalize_kernel", t0 + 90_500, t0 + 92_000 + f * 1_000)]
+    (table, summary), why = forward_table(list(reversed(evs)), inner=3, replays=2)
+    assert why == ""
+    assert summary == dict(kernels_per_forward=4, span_us=93.0, period_us=100.0)
+    names = [(k[0], k[1]) for k, _ in table]
+    assert names == [("_router_logits_kernel", 0), ("_mxfp4_grouped_gemm_swap_kernel", 0),
+                     ("_mxfp4_grouped_gemm_swap_kernel", 1), ("_finalize_kernel", 0)]
+    assert table[1][1] == dict(start=4.0, end=60.0, dur=56.0)
+    assert table[3][1]["end"] == 93.0
+    res, why = forward_table(evs[:-1], inner=3, replays=2)
+    assert res is None and "23 kernel events for 2 x 3 forwards" in why

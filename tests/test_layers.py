@@ -122,6 +122,22 @@ def test_explain_routed_gemm_plan(monkeypatch):
     assert (up.kind, up.block_m) == ("swap", 64) and "down swap 64x128" in layer.explain(256), layer.explain(256)
     assert up.n_fastest and "weight blocks fastest in the grid" in layer.explain(256)
     assert "weight blocks fastest" not in layer.explain(16)  # 16-row blocks keep the m-blocks fastest
+    # a gate_up split over K (hidden 256: two 128-blocks, so 2 partials): the SwiGLU-quant sums
+    # them itself (SWIGLU_SUMS_SPLIT), or after the reduce launch when switched off / unfused
+    from dsv4_moe.kernels.mxfp4_grouped_gemm import GemmConfig
+
+    split_up = GemmConfig(16, 128, 4, 4, kind="swap", split_k=2)
+    with monkeypatch.context() as m:
+        m.setattr(rx, "routed_configs", lambda routes, routed: (split_up, down))
+        assert "summing the split gate_up's 2 fp32 partials itself (no reduce launch" in layer.explain(1)
+        patched = dispatch.select
+        m.setattr(dispatch, "select", lambda stage, ctx, *a, **k: types.SimpleNamespace(name="unfused")
+                  if stage == "swiglu_quant" else patched(stage, ctx, *a, **k))
+        assert "after the split gate_up's reduce launch (2 fp32 partials)" in layer.explain(1)
+        m.setattr(dispatch, "select", patched)
+        m.setattr(rx, "SWIGLU_SUMS_SPLIT", False)
+        assert "after the split gate_up's reduce launch (2 fp32 partials)" in layer.explain(1)
+    assert "fp32 partials" not in layer.explain(16)
     monkeypatch.setattr(rx, "FOLD_SWAP", False)
     assert "per-128-block scaling (DSV4_MOE_FOLD_SWAP=0)" in layer.explain(16)
     up, down = rx.routed_configs(256 * CFG.num_experts_per_tok, layer.routed)  # unfolded swaps: the tile
