@@ -12,7 +12,9 @@ For the Flash and Pro-TP8 shapes:
     act_quant / align launches, bitwise, on a top-k and a hash-routed layer, and in a graph
   * a real-format checkpoint written by write_checkpoint, loaded by load_moe_layer on
     the GPU, against the CPU reference (Flash shapes, one layer)
-Writes $OUT/gpu_check_layer.json and .txt; prints a table; exits 1 on any failure.
+Writes $OUT/gpu_check_layer.json and .txt (rewritten after every case, so a run stopped by a
+time limit leaves what it checked, marked unfinished); prints a table; exits 1 on any failure.
+Time on the H200 (session 26): `--quick --no-checkpoint` ~95 s, `--quick` > 230 s, full ~375 s.
 """
 
 from __future__ import annotations
@@ -270,7 +272,9 @@ def main(argv=None) -> int:
                         routed_layout=layout)
         del w
         torch.cuda.empty_cache()
+        write_results(rows, out_dir, done=False)
         check_front(name, cfg, rows, dev, routed_layout=layout)
+        write_results(rows, out_dir, done=False)
     if not args.no_checkpoint and not args.front_only:
         with tempfile.TemporaryDirectory() as tmp:
             try:
@@ -278,20 +282,30 @@ def main(argv=None) -> int:
             except Exception as e:
                 rows.append({"case": "flash checkpoint layer 3", "check": "write/load", "T": 8, "ok": False,
                              "detail": f"{type(e).__name__}: {e}"})
+    return 1 if write_results(rows, out_dir, done=True) else 0
+
+
+def write_results(rows, out_dir, done: bool) -> int:
+    """Write the table and the JSON of the checks so far (after every case, so a run stopped
+    by a time limit still leaves what it checked; the last line says whether it finished).
+    Returns the number of failed checks."""
     lines = [f"{'case':<26} {'check':<32} {'T':>5}  ok     detail"]
     for r in rows:
         if r["check"] == "plan":
             continue
         lines.append(f"{r['case']:<26} {r['check']:<32} {r['T']:>5}  {str(r['ok']):<6} {r['detail']}")
     bad = [r for r in rows if not r["ok"]]
-    lines.append(f"{len(rows) - len(bad)}/{len(rows)} checks ok on {torch.cuda.get_device_name()}")
+    lines.append(f"{len(rows) - len(bad)}/{len(rows)} checks ok on {torch.cuda.get_device_name()}"
+                 + ("" if done else " (so far: the run has not finished)"))
     text = "\n".join(lines)
-    print(text)
+    if done:
+        print(text)
     with open(os.path.join(out_dir, "gpu_check_layer.txt"), "w") as f:
         f.write(text + "\n")
     with open(os.path.join(out_dir, "gpu_check_layer.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
-    return 1 if bad else 0
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "finished": done,
+                   "rows": rows}, f, indent=1)
+    return len(bad)
 
 
 if __name__ == "__main__":
