@@ -62,7 +62,9 @@ SWIGLU_ROUTE_LIST_MIN_ROUTES = 12
 # A split-K gate_up (decode: Pro-shaped T <= 12, Flash-shaped T = 1) hands its fp32 partials
 # to the fused SwiGLU-quant, which sums them in order and rounds to bf16 as the reduce launch
 # did (`swiglu_quant_partials`): one launch fewer, the same bits (the unfused twin keeps
-# the reduce launch). A/B switch.
+# the reduce launch). NOTE (session 26, H200, gpu_profile_layer.py --ab, 12 forwards per graph,
+# 3 captures, us, on / off; docs/bench/2026-11-30/session26/): Pro-TP8 T=1 34.0 / 35.0, T=8
+# 101.1 / 102.6, T=12 135.1 / 136.6. A/B switch.
 SWIGLU_SUMS_SPLIT = True
 
 # The routed GEMMs can take their activation scale folded into the bf16 operand
