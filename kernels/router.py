@@ -66,6 +66,9 @@ GEMV_MAX_T = 4
 MMA_MAX_T = 16
 # K chunk per program of router_logits_mma (a multiple of 128): H / MMA_K_PER splits
 MMA_K_PER = 512
+# gate rows per program of router_logits_mma (a power of two >= 16) and its warps
+MMA_BLOCK_E = 64
+MMA_NUM_WARPS = 4
 # The top-k kernel's launch: warps per token program (0: 4 for E > 256, else 2) and the packed
 # selection (one int64 max per round instead of max + min + sum, _router._topk_token) up to
 # TOPK_PACKED_MAX_T tokens; same bits either way. A/B switches. NOTE (session 25, H200,
@@ -155,17 +158,20 @@ def router_logits_gemv(x: torch.Tensor, weight: torch.Tensor,
 
 def mma_blocks(t: int, e: int, h: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_E, BLOCK_T, BLOCK_K, K_PER, SPLITS) of router_logits_mma for T tokens, E
-    experts, hidden size H: 64 gate rows x up to 64 tokens per tile (the tokens are the MMA's
-    N, padded to 16), H in chunks of MMA_K_PER (E = 384, H = 7168: 6 x 14 programs)."""
+    experts, hidden size H: MMA_BLOCK_E gate rows x up to 64 tokens per tile (the tokens are
+    the MMA's N, padded to 16), H in chunks of MMA_K_PER (E = 384, H = 7168, 64 rows: 6 x 14
+    programs)."""
     bt = min(64, max(16, 1 << max(0, t - 1).bit_length()))
     k_per = min(MMA_K_PER, -(-h // 128) * 128)
-    return 64, bt, 128, k_per, -(-h // k_per)
+    return MMA_BLOCK_E, bt, 128, k_per, -(-h // k_per)
 
 
 def router_logits_mma(x: torch.Tensor, weight: torch.Tensor,
-                      blocks: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                      blocks: tuple[int, int, int, int, int] | None = None,
+                      num_warps: int | None = None) -> torch.Tensor:
     """[T, H] bf16 @ [E, H]^T (bf16) -> [T, E] float32 by the Triton tensor-core kernel
-    (`_router_logits_mma_kernel`, one launch); `blocks` overrides `mma_blocks` (probes)."""
+    (`_router_logits_mma_kernel`, one launch); `blocks` overrides `mma_blocks` and
+    `num_warps` MMA_NUM_WARPS (probes)."""
     import triton  # noqa: PLC0415
 
     from ._router import _router_logits_mma_kernel
@@ -189,7 +195,7 @@ def router_logits_mma(x: torch.Tensor, weight: torch.Tensor,
     _router_logits_mma_kernel[grid](
         x, weight, out, ws, cnt, t, e, x.stride(0), weight.stride(0), out.stride(0),
         H=h, BLOCK_E=be, BLOCK_T=bt, BLOCK_K=bk, K_PER=k_per, SPLITS=splits, SOFTWARE=interpreting(),
-        num_warps=4, **pdl_options(x.device))
+        num_warps=num_warps or MMA_NUM_WARPS, **pdl_options(x.device))
     return out
 
 

@@ -231,14 +231,25 @@ def time_router(budget_s, tokens=(1, 2, 4, 8, 16, 32, 64, 256, 1024)):
                     for c in range(copies):
                         router_logits(xs[c], ws[c])
                 res["mm_only"] = graph_us(fn4, inner=1) / copies
-                be, bt, bk, k_per, splits = mma_blocks(t, e, h)
-                for kp in (128, 256, 512, 1024):  # session 26: the tensor-core logits' K chunk
+                dflt = mma_blocks(t, e, h)
+                be0, bt, bk, k_per, splits = dflt
+                exact = xs[0].double() @ ws[0].double().T
+                mag = (xs[0].double().abs() @ ws[0].double().abs().T).clamp_min(1e-300)
+                # session 26: the K chunk; session 27: gate rows per program (more programs in
+                # flight: 32 rows x 14 chunks = 168 at Pro) and warps
+                for be, kp, nw in ((64, 256, 4), (64, 512, 4), (64, 1024, 4), (32, 256, 4), (32, 512, 4),
+                                   (32, 1024, 4), (16, 512, 4), (64, 512, 8), (32, 512, 2)):
                     blk = (be, bt, bk, kp, -(-h // kp))
+                    err = float(((router_logits_mma(xs[0], ws[0], blocks=blk, num_warps=nw).double() - exact).abs()
+                                 / mag).max())
 
-                    def fn5(blk=blk):
+                    def fn5(blk=blk, nw=nw):
                         for c in range(copies):
-                            router_logits_mma(xs[c], ws[c], blocks=blk)
-                    res[f"mma_only {blk}{' default' if kp == k_per else ''}"] = graph_us(fn5, inner=1) / copies
+                            router_logits_mma(xs[c], ws[c], blocks=blk, num_warps=nw)
+                    tag = " default" if (blk == dflt and nw == 4) else ""
+                    res[f"mma_only {blk} w{nw}{tag}"] = graph_us(fn5, inner=1) / copies
+                    emit(check="mma_variant_err", shape=name, T=t, blocks=blk, num_warps=nw, err=err,
+                         err_bound=h * 2.0 ** -24, ok=err <= h * 2.0 ** -24)
             for label, us in res.items():
                 emit(check="time", shape=name, T=t, variant=label, us=us, TBps=e * h * 2 / us / 1e6)
 
@@ -282,6 +293,36 @@ def topk_variants(tokens, rounds=3):
         router.TOPK_PACKED, router.TOPK_WARPS = saved
 
 
+def align_warps(tokens=(4, 8, 10, 11, 12, 16, 20, 21)):
+    """The one-launch alignment (pairwise) at 4 / 8 / 16 warps and a 128-route limit (session
+    27, DESIGN lead 2 of session 26): bitwise the three launches, and graph-timed against them."""
+    import dsv4_moe.kernels.moe_align as ma
+    from dsv4_moe.kernels.moe_align import moe_align
+    fields = ("sorted_route_ids", "block_expert", "num_valid_blocks", "expert_offsets", "expert_counts",
+              "route_rows", "row_expert", "row_weight")
+    g = torch.Generator().manual_seed(5)
+    saved = (ma.SMALL_MAX_ROUTES, ma.SMALL_NUM_WARPS)
+    ma.SMALL_MAX_ROUTES = 128
+    try:
+        for e, bm in ((256, 16), (384, 16)):
+            for t in tokens:
+                ids = torch.stack([torch.randperm(e, generator=g)[:6] for _ in range(t)]).sort(1).values.int().to(DEV)
+                tw = torch.rand(t, 6, generator=g).to(DEV)
+                b = moe_align(ids, e, 0, bm, tw, impl="chunked")
+                row = dict(check="align_warps", E=e, T=t, routes=6 * t,
+                           chunked_us=graph_us(lambda: moe_align(ids, e, 0, bm, tw, impl="chunked")))
+                ok = True
+                for nw in (4, 8, 16):
+                    ma.SMALL_NUM_WARPS = nw
+                    a = moe_align(ids, e, 0, bm, tw, impl="small")
+                    ok = ok and all(torch.equal(getattr(a, f), getattr(b, f)) for f in fields)
+                    row[f"small_w{nw}_us"] = graph_us(lambda: moe_align(ids, e, 0, bm, tw, impl="small"))
+                row["ok"] = ok
+                emit(**row)
+    finally:
+        ma.SMALL_MAX_ROUTES, ma.SMALL_NUM_WARPS = saved
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="scores,ids,align,time")
@@ -300,6 +341,8 @@ def main():
         check_ids()
     if "align" in parts:
         check_align()
+    if "align_warps" in parts:
+        align_warps()
     if "time" in parts:
         time_router(args.budget_s, tuple(int(v) for v in args.tokens.split(",")))
     if "topk" in parts:

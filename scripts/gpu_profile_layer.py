@@ -25,6 +25,8 @@ its variants captured several times before a difference below ~10 % means anythi
 output bitwise against the default's (a module-constant A/B of the same arithmetic must keep
 the bits). Session 22 found the main cause of the spread (mxfp4_grouped_gemm.A_PAD_ROWS); a
 ~3 % spread remains at Flash T = 24.
+`--set MODULE.ATTR=V` (repeatable, session 27) sets module constants before anything is built,
+so one switch can be A/B'd with another held (e.g. the alignment's warps with its route limit).
 """
 from __future__ import annotations
 
@@ -130,10 +132,17 @@ def main():
                     help="layers with different weights used in turn inside each graph (N > 1: weights "
                          "not left in the L2 by the previous forward, as the layer bench's rotation)")
     ap.add_argument("--no-kernels", action="store_true", help="graph times only (no per-kernel table)")
+    ap.add_argument("--set", action="append", default=[],
+                    help="MODULE.ATTR=V (repeatable): module constants set before anything is built (as "
+                         "bench_layer.py's --set), e.g. to A/B one switch with another one held")
     ap.add_argument("--twins", type=int, default=0,
                     help="capture the policies' pick N more times (separate graphs, same forward): the "
                          "spread between captures of one forward, the noise floor of every A/B here")
     args = ap.parse_args()
+    if args.set:
+        from dsv4_moe.bench.run import _apply_set  # the layer bench's parsing; memoised configs cleared
+        for item in args.set:
+            print(_apply_set(item), flush=True)
     ab_ov = {"auto": "auto", "on": True, "off": False}[args.ab_overlap]
     ab_mod = ab_attr = None
     ab_vals = []
