@@ -209,6 +209,7 @@ class DispatchContext:
     ep_size: int = 1
     is_hash: bool = False
     routed_scale_range: tuple = (127, 127)  # min/max e8m0 byte of the routed weight scales
+    router_dtype: torch.dtype = torch.bfloat16  # the gate weight's (the router's logits path)
     extra: tuple = field(default=())
 
 
@@ -295,10 +296,14 @@ def _stage_pred(name: str) -> Predicate:
 # Ordered preference per stage. The reference path exists for every stage and runs on CPU.
 # Implementations and shape predicates live in dsv4_moe.stages (adapters over kernels/).
 STAGES: dict[str, list[Path]] = {
-    # the decode front: the router, act_quant and routed-alignment stages one by one
-    # ("separate", the default), or in one launch ("fused", kernels/route_front.py: bitwise
-    # the same, measured level, so only when forced)
+    # the decode front: x quantised inside the router's logits launch ("quant_in_logits":
+    # bitwise act_quant, one launch fewer, where the logits are the Triton GEMV / MMA kernel),
+    # else the router, act_quant and routed-alignment stages one by one ("separate"), or in
+    # one launch ("fused", kernels/route_front.py: bitwise the same, measured level, so only
+    # when forced)
     "front": [
+        Path("front", "quant_in_logits", _gpu(_stage_pred("front_quant_in_logits_supported")),
+             _S + "front_quant_in_logits"),
         Path("front", "separate", _stage_pred("front_separate_preferred"), _S + "front_separate"),
         Path("front", "fused", _gpu(_stage_pred("front_fused_supported")), _S + "front_fused"),
     ],

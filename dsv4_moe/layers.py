@@ -120,6 +120,10 @@ class DeepseekV4MLP(_NativeBuffers):
 # 767.9 / 823.1 / 823.7. A higher priority does not remove the Flash slowdown and costs
 # Pro-TP8 7 %, so 0 stays.
 SIDE_STREAM_PRIORITY = 0
+# Fork the shared expert's side stream only after the routed alignment is launched (triton
+# routed path), so the shared GEMM's CTAs do not fill the SMs while the alignment (one
+# program, on the critical path) waits for a slot or runs beside them. A/B switch.
+FORK_AFTER_ALIGN = False
 
 
 class DeepseekV4MoE(_NativeBuffers):
@@ -227,7 +231,8 @@ class DeepseekV4MoE(_NativeBuffers):
                                   intermediate=c.local_intermediate(self.tp_size), num_experts=c.n_routed_experts,
                                   num_local_experts=self.num_local_experts, top_k=c.num_experts_per_tok,
                                   tp_size=self.tp_size, ep_size=self.ep_size, is_hash=self.is_hash,
-                                  routed_scale_range=self.routed_scale_range)
+                                  routed_scale_range=self.routed_scale_range,
+                                  router_dtype=self.router_weight.dtype)
             if len(self._contexts) > 4096:
                 self._contexts.clear()
             self._contexts[key] = ctx
@@ -267,6 +272,8 @@ class DeepseekV4MoE(_NativeBuffers):
         topk_w, topk_ids, q, sa, q_pairs, align = dispatch.select("front", ctx).impl(
             ctx, x, self.router, input_ids, c.num_experts_per_tok, c.routed_scaling_factor, self.routed, pairs)
         side = self._side_stream(x.device, t)
+        if side is not None and align is None and routed.name == "triton" and FORK_AFTER_ALIGN:
+            align = stages.routed_align(topk_w, topk_ids, self.routed)
         if side is None:
             shared = self.shared_experts.forward_quantised(q, sa, ctx)
         else:  # fork: the shared expert on the side stream once q, sa exist

@@ -100,7 +100,12 @@ def router_triton_supported(ctx: DispatchContext):
 
 
 def router_triton(x, router, input_ids, top_k, scale):
-    w, ids = _kernel("router").route_topk(x, router.weight, router.bias, router.tid2eid, input_ids, top_k, scale)
+    # NOTE: the logits path named explicitly (route_topk's "auto" picks by T on CUDA only), so
+    # the Triton interpreter runs the same logits kernels as the GPU (and the front's
+    # quant_in_logits path, which needs them, gives this path's bits there too)
+    rt = _kernel("router")
+    w, ids = rt.route_topk(x, router.weight, router.bias, router.tid2eid, input_ids, top_k, scale,
+                           logits_impl=rt.logits_path(x.shape[0], router.weight.dtype))
     return w, ids
 
 
@@ -134,6 +139,46 @@ def front_fused(ctx, x, router, input_ids, top_k, scale, routed, pairs):
     return _kernel("route_front").route_front(x, router.weight, router.bias, router.tid2eid, input_ids, top_k,
                                               scale, num_local=routed.num_local, first_expert=routed.first_expert,
                                               block_m=block_m, pairs=pairs)
+
+
+def routed_align(topk_w, topk_ids, routed):
+    """The triton routed path's alignment (moe_align at its gate_up config's BLOCK_M), for
+    callers that want it launched before something else (the layer's shared-expert fork)."""
+    rx = _kernel("routed_experts")
+    block_m = rx.routed_configs(topk_ids.numel(), routed)[0].block_m
+    return _kernel("moe_align").moe_align(topk_ids, routed.num_local, routed.first_expert, block_m, topk_w)
+
+
+def front_quant_in_logits_supported(ctx: DispatchContext):
+    """act_quant inside the router's logits launch (route_topk's `act_quant`): where the router
+    and act_quant stages take their Triton paths and the logits are the Triton GEMV / MMA
+    kernel (T <= router.MMA_MAX_T), unless router.QUANT_IN_LOGITS is off."""
+    ok, why = _importable("router")
+    if not ok:
+        return ok, why
+    from . import dispatch  # noqa: PLC0415
+
+    router = _kernel("router")
+    if not router.QUANT_IN_LOGITS:
+        return False, "switched off (kernels/router.py QUANT_IN_LOGITS)"
+    for stage in ("router", "act_quant"):
+        chosen = dispatch.plan_stage(stage, ctx).chosen.name
+        if chosen != "triton":
+            return False, f"stage {stage!r} takes its {chosen!r} path, not the Triton one this merges"
+    path = router.logits_path(ctx.num_tokens, ctx.router_dtype)
+    if path == "mm":
+        return False, (f"T={ctx.num_tokens}: the logits are cuBLAS here (Triton GEMV to T={router.GEMV_MAX_T}, "
+                       f"tensor-core kernel to T={router.MMA_MAX_T} for a bf16 gate)")
+    return True, f"act_quant inside the router's {path} logits launch (one launch fewer, the same bits)"
+
+
+def front_quant_in_logits(ctx, x, router, input_ids, top_k, scale, routed, pairs):
+    """-> (topk_w, topk_ids, q, sa, q_pairs | None, None): the router's logits launch also
+    quantises x (align None: the routed stage aligns itself)."""
+    rt = _kernel("router")
+    w, ids, q, sa, *p = rt.route_topk(x, router.weight, router.bias, router.tid2eid, input_ids, top_k, scale,
+                                      logits_impl=rt.logits_path(x.shape[0], router.weight.dtype), act_quant=pairs)
+    return w, ids, q, sa, (p[0] if p else None), None
 
 
 def front_separate_preferred(ctx: DispatchContext):

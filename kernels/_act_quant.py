@@ -23,9 +23,18 @@ def _act_quant_kernel(
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
 ):
     pdl_enter(PDL)
-    pid_m = tl.program_id(0)
-    g = tl.program_id(1)
-    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    act_quant_group(x_ptr, q_ptr, s_ptr, p_ptr, rows, tl.program_id(1), M, M_S, K,
+                    stride_xm, stride_qm, stride_sm, stride_sg, stride_pm, SCALE_FMT, SOFTWARE, PAIRS)
+
+
+@triton.jit
+def act_quant_group(x_ptr, q_ptr, s_ptr, p_ptr, rows, g, M, M_S, K,
+                    stride_xm, stride_qm, stride_sm, stride_sg, stride_pm,
+                    SCALE_FMT: tl.constexpr, SOFTWARE: tl.constexpr, PAIRS: tl.constexpr):
+    """Quantise 128-column group g of the rows `rows` (int64 [R]; rows >= M read nothing,
+    rows >= M_S write nothing): the act_quant kernel's program, also run inside the router's
+    logits launch (`route_topk(..., act_quant=...)`), so both give the same bits."""
     cols = g * 128 + tl.arange(0, 128)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ._act_quant import act_quant_group
 from ._triton_utils import pdl_enter, split_k_arrive, split_k_reset
 
 
@@ -44,16 +45,40 @@ def _router_logits_kernel(
     H: tl.constexpr,   # NOTE: constexpr (a model constant) so the interpreter can run the loop
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, NUM_STAGES: tl.constexpr,
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
+    q_ptr=None, s_ptr=None, p_ptr=None,  # QUANT: act_quant(x) outputs (see _quant_share)
+    stride_q=0, stride_s=0, stride_p=0, quant_step=1,
+    QUANT: tl.constexpr = False, PAIRS: tl.constexpr = 0, QUANT_ROUNDS: tl.constexpr = 1,
+    SOFTWARE: tl.constexpr = False,
 ):
     """logits[t, e] = sum_h x[t, h] * W[e, h] on the CUDA cores, fp32 accumulation.
 
     Every bf16 x bf16 product is exact in fp32, so only the summation order differs from
     the reference (as with cuBLAS). Grid (cdiv(E, BLOCK_E), cdiv(T, BLOCK_T)): for decode
     the gate weight (E x H) is spread over ~E / BLOCK_E programs that each stream
-    BLOCK_E rows once, where cuBLAS's split-K GEMV needs a second (reduce) launch."""
+    BLOCK_E rows once, where cuBLAS's split-K GEMV needs a second (reduce) launch.
+    QUANT: the programs also quantise x (act_quant, fp32 scales), group g by program
+    g mod quant_step (= the grid's first dimension) of the token tile's row of programs."""
     pdl_enter(PDL)
     _logits_tile(x_ptr, w_ptr, out_ptr, tl.program_id(0), tl.program_id(1), T, E, stride_x, stride_w, stride_o,
                  H, BLOCK_T, BLOCK_E, BLOCK_H, NUM_STAGES, False)
+    if QUANT:
+        _quant_share(x_ptr, q_ptr, s_ptr, p_ptr, tl.program_id(1), T, stride_x, stride_q, stride_s, stride_p,
+                     tl.program_id(0), quant_step, 0, (H + 127) // 128, H, BLOCK_T, QUANT_ROUNDS, PAIRS, SOFTWARE)
+
+
+@triton.jit
+def _quant_share(x_ptr, q_ptr, s_ptr, p_ptr, pid_t, T, stride_x, stride_q, stride_s, stride_p,
+                 first, step, g0, g1, H: tl.constexpr, BLOCK_T: tl.constexpr, ROUNDS: tl.constexpr,
+                 PAIRS: tl.constexpr, SOFTWARE: tl.constexpr):
+    """act_quant of token tile pid_t, groups g0 + first + i * step < g1 for i < ROUNDS (the same
+    `act_quant_group` body as the act_quant kernel: the same bits). fp32 scales [T, G]
+    row-major, so the scale's row stride is stride_s and its group stride 1."""
+    rows = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    for i in tl.static_range(ROUNDS):
+        g = g0 + first + i * step
+        if g < g1:
+            act_quant_group(x_ptr, q_ptr, s_ptr, p_ptr, rows, g, T, T, H,
+                            stride_x, stride_q, stride_s, 1, stride_p, 0, SOFTWARE, PAIRS)
 
 
 @triton.jit
@@ -67,6 +92,9 @@ def _router_logits_mma_kernel(
     H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
     K_PER: tl.constexpr, SPLITS: tl.constexpr, SOFTWARE: tl.constexpr,
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
+    q_ptr=None, s_ptr=None, p_ptr=None,  # QUANT: act_quant(x) outputs (see _quant_share)
+    stride_q=0, stride_s=0, stride_p=0, quant_step=1,
+    QUANT: tl.constexpr = False, PAIRS: tl.constexpr = 0, QUANT_ROUNDS: tl.constexpr = 1,
 ):
     """logits[t, e] = sum_h x[t, h] * W[e, h] on the tensor cores (weights x tokens, so a
     [BLOCK_E, BLOCK_T] tile per program and K_PER of H), fp32 accumulation; bf16 x bf16
@@ -74,7 +102,10 @@ def _router_logits_mma_kernel(
     with cuBLAS). Grid (cdiv(E, BLOCK_E), SPLITS, cdiv(T, BLOCK_T)): with SPLITS > 1 each
     program stores its partial and the last one of a tile to arrive (`split_k_arrive`) sums
     the SPLITS partials in split order from +0.0 - deterministic, one launch.
-    SOFTWARE (the interpreter, whose bf16 dot is not exact): fp32 operands, IEEE dot."""
+    SOFTWARE (the interpreter, whose bf16 dot is not exact): fp32 operands, IEEE dot.
+    QUANT: the programs of each K chunk also quantise x's 128-column groups of that chunk
+    (act_quant, fp32 scales), group j of the chunk by gate-row program j mod quant_step (=
+    the grid's first dimension)."""
     pdl_enter(PDL)
     pid_e = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -110,6 +141,10 @@ def _router_logits_mma_kernel(
                 tot += tl.load(ws_ptr + s * T * E + w_off, mask=ok, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + o_off, tot, mask=ok)
             split_k_reset(cnt_ptr + tile)
+    if QUANT:
+        _quant_share(x_ptr, q_ptr, s_ptr, p_ptr, pid_t, T, stride_x, stride_q, stride_s, stride_p,
+                     pid_e, quant_step, k0 // 128, tl.minimum(k0 + K_PER, (H + 127) // 128 * 128) // 128, H,
+                     BLOCK_T, QUANT_ROUNDS, PAIRS, SOFTWARE)
 
 
 @triton.jit

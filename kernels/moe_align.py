@@ -54,12 +54,22 @@ SMALL_MAX_ROWS = 4096  # decode path (one launch) when R <= SMALL_MAX_ROUTES and
 SMALL_PAIRWISE = True
 SMALL_PAIRWISE_MIN_ROUTES = 48
 SMALL_MAX_ROUTES = 64
-# Warps of the one-launch kernel. NOTE (session 26, offline sm_90a compile, not yet timed on
-# the H200): the pairwise form at a 64-route tile takes 163 registers and ~1600 SASS
-# instructions per thread in 4 warps, 102 / ~850 in 8, 57 / ~580 in 16; at a 128-route tile
-# (SMALL_MAX_ROUTES = 128) 4 warps spill (255 registers, 352 bytes of stack: the 10.2 us
-# measured at T = 16), 8 do not (255, ~2850). A/B: --set ...moe_align.SMALL_NUM_WARPS=8.
+# Warps of the one-launch kernel: SMALL_NUM_WARPS for route tiles below 64, SMALL_NUM_WARPS_64
+# from 64 (R = 33-64). NOTE (session 26, offline sm_90a compile): the pairwise form at a
+# 64-route tile takes 163 registers and ~1600 SASS instructions per thread in 4 warps, 102 /
+# ~850 in 8, 57 / ~580 in 16; at a 128-route tile 4 warps spill (255 registers, 352 bytes of
+# stack), 8 do not (255, ~2850).
+# NOTE (session 27, H200, gpu_check_router.py --parts align_warps, graphs, us, one launch at 4 /
+# 8 / 16 warps vs the three launches; docs/bench/2026-11-30/session27/): E 384 T=8 3.90 / 3.62 /
+# 3.73 vs 5.38, T=10 4.74 / 3.82 / 3.83 vs 6.01; E 256 T=8 3.94 / 3.57 / 3.59, T=10 4.73 / 3.83 /
+# 3.69; at 24 routes level (E 384 T=4 2.01 / 2.01 / 2.19). In the layer (gpu_profile_layer.py
+# --ab, 12 forwards per graph, 3 captures, us, 4 / 8 warps): Pro-TP8 T=8 99.1 / 98.2, T=10 116.3 /
+# 114.6; Flash T=8 208.9 / 208.3, T=10 247.3 / 246.0. A 128-route tile (SMALL_MAX_ROUTES = 128)
+# is 9.0-10.6 us at any of the three warp counts against 5.0-6.2 for the three launches, and
+# the layer was slower with it (Pro-TP8 T=12 132.2 -> 135.6, T=16 158.8 -> 160.4, T=20 200.7 ->
+# 203.6 at 8 warps), so the 64-route limit stays.
 SMALL_NUM_WARPS = 4
+SMALL_NUM_WARPS_64 = 8
 
 
 @dataclass
@@ -174,17 +184,18 @@ def moe_align(topk_ids: torch.Tensor, num_local: int, first_expert: int, block_m
         tw = None if topk_weights is None else topk_weights.contiguous().view(-1)
         # NOTE: the route tile is R rounded up to a power of two (8 at T = 1, top-6), not
         # _BLOCK: the [routes x experts] one-hot count is 8 x 256 instead of 64 x 256
+        block = max(2, triton.next_power_of_2(r))
         _align_small_kernel[(1,)](ids, tw if tw is not None else ids, out.route_rows, out.expert_counts,
                                   out.expert_offsets, out.num_valid_blocks, out.sorted_route_ids,
                                   out.block_expert, out.row_expert,
                                   out.row_weight if tw is not None else out.row_expert,
                                   r, first_expert, num_local, max_blocks,
-                                  HAS_WEIGHTS=tw is not None, BLOCK=max(2, triton.next_power_of_2(r)),
+                                  HAS_WEIGHTS=tw is not None, BLOCK=block,
                                   BLOCK_M=block_m, E_PAD=e_pad,
                                   ROWS_PAD=triton.next_power_of_2(max_rows),
                                   MB_PAD=triton.next_power_of_2(max_blocks),
                                   PAIRWISE=SMALL_PAIRWISE and (e_pad > 256 or r >= SMALL_PAIRWISE_MIN_ROUTES),
-                                  num_warps=SMALL_NUM_WARPS, **pdl)
+                                  num_warps=SMALL_NUM_WARPS if block < 64 else SMALL_NUM_WARPS_64, **pdl)
         return out
     chunk_counts = torch.empty((c, e_pad), **i32)
     chunk_base = torch.empty((c, e_pad), **i32)

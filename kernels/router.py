@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["route_topk", "router_logits", "router_logits_gemv", "router_logits_mma", "gemv_blocks", "mma_blocks",
+           "logits_path",
            "GEMV_MAX_T", "MMA_MAX_T", "check_route_args"]
 
 _E_MAX = 4096  # one register vector per token; DeepSeek-V4 has E <= 384
@@ -66,9 +67,17 @@ GEMV_MAX_T = 4
 MMA_MAX_T = 16
 # K chunk per program of router_logits_mma (a multiple of 128): H / MMA_K_PER splits
 MMA_K_PER = 512
-# gate rows per program of router_logits_mma (a power of two >= 16) and its warps
-MMA_BLOCK_E = 64
+# gate rows per program of router_logits_mma (a power of two >= 16) and its warps.
+# NOTE (session 27, H200, gpu_check_router.py --parts time, 32 rotated gate copies in a graph,
+# logits only, us, chunks of 512, 64 / 32 / 16 rows, 4 warps; docs/bench/2026-11-30/session27/):
+# Flash T=8 4.65 / 4.48 / 4.43, T=16 4.82 / 4.50 / 4.42; Pro T=8 5.69 / 5.60 / 5.88, T=16 6.05 /
+# 5.89 / 6.13 (chunks of 256 or 1024, 8 or 2 warps: no better). So 32 rows (168 programs at Pro).
+MMA_BLOCK_E = 32
 MMA_NUM_WARPS = 4
+# act_quant(x) inside the logits launch (route_topk's `act_quant`; the decode front's
+# "quant_in_logits" path) where the logits are the Triton GEMV / tensor-core kernel. A/B
+# switch (False: the separate act_quant launch).
+QUANT_IN_LOGITS = True
 # The top-k kernel's launch: warps per token program (0: 4 for E > 256, else 2) and the packed
 # selection (one int64 max per round instead of max + min + sum, _router._topk_token) up to
 # TOPK_PACKED_MAX_T tokens; same bits either way. A/B switches. NOTE (session 25, H200,
@@ -134,14 +143,26 @@ def gemv_blocks(t: int, h: int | None = None) -> tuple[int, int, int, int]:
     return bt, be, bh, 4
 
 
+def _quant_args(quant, programs: int, groups: int) -> dict:
+    """The logits kernels' act_quant arguments for `quant` = (q_u8, s, pairs, pairs_code) or None:
+    `groups` 128-column groups per row of `programs` programs (the grid's first dimension)."""
+    if quant is None:
+        return {}
+    q_u8, s, p, code = quant
+    return dict(q_ptr=q_u8, s_ptr=s, p_ptr=p if p is not None else q_u8, stride_q=q_u8.stride(0),
+                stride_s=s.stride(0), stride_p=p.stride(0) if p is not None else 0, quant_step=programs,
+                QUANT=True, PAIRS=code, QUANT_ROUNDS=-(-groups // programs))
+
+
 def router_logits_gemv(x: torch.Tensor, weight: torch.Tensor,
-                       blocks: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                       blocks: tuple[int, int, int, int] | None = None, quant=None) -> torch.Tensor:
     """[T, H] bf16 @ [E, H]^T -> [T, E] float32 by the Triton GEMV (`_router_logits_kernel`);
-    `blocks` overrides `gemv_blocks(T)` (probes)."""
+    `blocks` overrides `gemv_blocks(T)` (probes). `quant` (q_u8, s, pairs, pairs_code): the
+    same launch also writes act_quant(x) there (route_topk's `act_quant`)."""
     import triton  # noqa: PLC0415
 
     from ._router import _router_logits_kernel
-    from ._triton_utils import pdl_options
+    from ._triton_utils import interpreting, pdl_options
     t, h = x.shape
     e = weight.shape[0]
     out = torch.empty((t, e), dtype=torch.float32, device=x.device)
@@ -152,7 +173,8 @@ def router_logits_gemv(x: torch.Tensor, weight: torch.Tensor,
     weight = weight.contiguous()
     _router_logits_kernel[(triton.cdiv(e, be), triton.cdiv(t, bt))](
         x, weight, out, t, e, x.stride(0), weight.stride(0), out.stride(0),
-        H=h, BLOCK_T=bt, BLOCK_E=be, BLOCK_H=bh, NUM_STAGES=3, num_warps=warps, **pdl_options(x.device))
+        H=h, BLOCK_T=bt, BLOCK_E=be, BLOCK_H=bh, NUM_STAGES=3, num_warps=warps, **pdl_options(x.device),
+        **_quant_args(quant, triton.cdiv(e, be), triton.cdiv(h, 128)), SOFTWARE=interpreting())
     return out
 
 
@@ -168,10 +190,10 @@ def mma_blocks(t: int, e: int, h: int) -> tuple[int, int, int, int, int]:
 
 def router_logits_mma(x: torch.Tensor, weight: torch.Tensor,
                       blocks: tuple[int, int, int, int, int] | None = None,
-                      num_warps: int | None = None) -> torch.Tensor:
+                      num_warps: int | None = None, quant=None) -> torch.Tensor:
     """[T, H] bf16 @ [E, H]^T (bf16) -> [T, E] float32 by the Triton tensor-core kernel
     (`_router_logits_mma_kernel`, one launch); `blocks` overrides `mma_blocks` and
-    `num_warps` MMA_NUM_WARPS (probes)."""
+    `num_warps` MMA_NUM_WARPS (probes); `quant` as in router_logits_gemv."""
     import triton  # noqa: PLC0415
 
     from ._router import _router_logits_mma_kernel
@@ -195,8 +217,20 @@ def router_logits_mma(x: torch.Tensor, weight: torch.Tensor,
     _router_logits_mma_kernel[grid](
         x, weight, out, ws, cnt, t, e, x.stride(0), weight.stride(0), out.stride(0),
         H=h, BLOCK_E=be, BLOCK_T=bt, BLOCK_K=bk, K_PER=k_per, SPLITS=splits, SOFTWARE=interpreting(),
-        num_warps=num_warps or MMA_NUM_WARPS, **pdl_options(x.device))
+        num_warps=num_warps or MMA_NUM_WARPS, **pdl_options(x.device),
+        **_quant_args(quant, grid[0], k_per // 128))
     return out
+
+
+def logits_path(t: int, weight_dtype: torch.dtype, logits_impl: str = "auto", cuda: bool = True) -> str:
+    """Which logits route_topk takes for T tokens and a gate weight of this dtype: "gemv",
+    "mma" or "mm" (cuBLAS / torch)."""
+    auto = logits_impl == "auto" and cuda
+    if logits_impl == "gemv" or (auto and t <= GEMV_MAX_T):
+        return "gemv"
+    if logits_impl == "mma" or (auto and t <= MMA_MAX_T and weight_dtype == torch.bfloat16):
+        return "mma"
+    return "mm"
 
 
 def check_route_args(x, weight, bias, tid2eid, input_ids, top_k, routed_scaling_factor):
@@ -233,12 +267,16 @@ def check_route_args(x, weight, bias, tid2eid, input_ids, top_k, routed_scaling_
 def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                tid2eid: torch.Tensor | None, input_ids: torch.Tensor | None,
                top_k: int, routed_scaling_factor: float, *, logits_impl: str = "auto",
-               scores_impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+               scores_impl: str = "auto", act_quant: "bool | str | None" = None) -> tuple[torch.Tensor, ...]:
     """Route T tokens to top_k of E experts; see the module docstring for layouts.
 
     logits_impl: "auto" | "gemv" (Triton GEMV) | "mma" (Triton tensor-core kernel, bf16 weight)
     | "mm" (cuBLAS / torch); scores_impl:
-    "auto" | "kernel" (in the top-k kernel, GPU only) | "torch"."""
+    "auto" | "kernel" (in the top-k kernel, GPU only) | "torch".
+    act_quant: None, or the `pairs` argument of `act_quant` (False, True, "scaled"): the
+    logits launch also quantises x (fp32 scales; bitwise `act_quant(x, pairs=...)`, the same
+    Triton body) and the call returns (topk_weights, topk_ids, q, sa[, pairs]). Needs the
+    Triton logits (`logits_path` "gemv" or "mma"), else ValueError."""
     from ._triton_utils import interpreting  # noqa: PLC0415
 
     _check(logits_impl in _LOGITS_IMPLS, f"logits_impl={logits_impl!r}: expected one of {_LOGITS_IMPLS}")
@@ -251,13 +289,26 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            f"x is on {x.device}, interpreting={interpreting()}")
     out_w = torch.empty((t, top_k), dtype=torch.float32, device=x.device)
     out_ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
+    quant, extra = None, ()
+    if act_quant is not None:
+        from .act_quant import check_pairs_out, pairs_scaled  # noqa: PLC0415
+
+        scaled = pairs_scaled(act_quant, "route_topk")
+        q = torch.empty((t, h), dtype=torch.float8_e4m3fn, device=x.device)
+        sa = torch.empty((t, -(-h // 128)), dtype=torch.float32, device=x.device)
+        p = check_pairs_out(None, t, h, x.device, "route_topk") if act_quant else None
+        quant = (q.view(torch.uint8), sa, p, 0 if p is None else 2 if scaled else 1)
+        extra = (q, sa) + ((p,) if act_quant else ())
     if t == 0:
-        return out_w, out_ids
-    auto = logits_impl == "auto" and x.is_cuda
-    if logits_impl == "gemv" or (auto and t <= GEMV_MAX_T):
-        logits = router_logits_gemv(x, weight)
-    elif logits_impl == "mma" or (auto and t <= MMA_MAX_T and weight.dtype == torch.bfloat16):
-        logits = router_logits_mma(x, weight)
+        return (out_w, out_ids) + extra
+    path = logits_path(t, weight.dtype, logits_impl, x.is_cuda)
+    _check(quant is None or path != "mm",
+           f"act_quant={act_quant!r}: x is quantised inside the Triton logits launch, but logits_impl="
+           f"{logits_impl!r} takes cuBLAS / torch here (T={t}, weight {weight.dtype}, {x.device}); see logits_path")
+    if path == "gemv":
+        logits = router_logits_gemv(x, weight, quant=quant)
+    elif path == "mma":
+        logits = router_logits_mma(x, weight, quant=quant)
     else:
         logits = router_logits(x, weight)
     apply_scores = scores_impl == "kernel" or (scores_impl == "auto" and on_gpu)
@@ -284,4 +335,4 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         enable_reflect_ftz=False,
         **pdl_options(x.device),
     )
-    return out_w, out_ids
+    return (out_w, out_ids) + extra

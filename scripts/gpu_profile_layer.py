@@ -107,11 +107,13 @@ def _kernel_table(layer, x, ids, n, ProfilerActivity, profile):
 
 def _set(mod, attr, value):
     """mod.attr = value, and forget the memoised routed GEMM configs (they read module constants
-    such as routed_experts.FLASH_SWAP64_MIN_ROWS, which are not part of their cache key)."""
+    such as routed_experts.FLASH_SWAP64_MIN_ROWS, which are not part of their cache key) and
+    the memoised dispatch choices (predicates read switches such as router.QUANT_IN_LOGITS)."""
     from dsv4_moe.kernels import routed_experts as rx
 
     setattr(mod, attr, value)
     rx._routed_configs.cache_clear()
+    dispatch.clear_plan_cache()
 
 
 def main():

@@ -144,14 +144,53 @@ def test_logits_mma(t, e, h, blocks):
 def test_logits_mma_blocks_and_guards():
     for t in range(1, 65):
         be, bt, bk, k_per, splits = mma_blocks(t, 384, 7168)
-        assert be == 64 and 16 <= bt <= 64 and bt >= t and k_per % bk == 0 and splits * k_per >= 7168
-    assert mma_blocks(16, 384, 7168) == (64, 16, 128, 512, 14)
+        assert be == 32 and 16 <= bt <= 64 and bt >= t and k_per % bk == 0 and splits * k_per >= 7168
+    assert mma_blocks(16, 384, 7168) == (32, 16, 128, 512, 14)
     assert mma_blocks(8, 256, 4096)[4] == 8
     with pytest.raises(ValueError, match="must be bfloat16"):
         router_logits_mma(torch.randn(2, 128).bfloat16(), torch.randn(8, 128))
     with pytest.raises(ValueError, match="K_PER must be a multiple of BLOCK_K"):
         router_logits_mma(torch.randn(2, 256).bfloat16(), torch.randn(8, 256).bfloat16(), (64, 16, 128, 192, 2))
     assert router_logits_mma(torch.randn(0, 64).bfloat16(), torch.randn(8, 64).bfloat16()).shape == (0, 8)
+
+
+@pytest.mark.parametrize("t,e,h,impl,pairs", [
+    (1, 64, 1024, "gemv", True),        # the decode GEMV: one group per program
+    (9, 8, 1024, "gemv", "scaled"),     # 4 gate programs for 8 groups (two rounds), two token tiles
+    (3, 64, 960, "gemv", False),        # a partial last group
+    (7, 64, 1024, "mma", True),         # the tensor-core kernel: 2 chunks of 512, 4 groups each
+    (17, 16, 1024, "mma", "scaled"),    # one gate program quantises all 4 groups of its chunk
+    (6, 96, 960, "mma", False)])
+def test_act_quant_in_logits(t, e, h, impl, pairs):
+    """route_topk(..., act_quant=pairs): the logits launch also quantises x; q, the scales and
+    the pairs are bitwise act_quant's (the same body), the routing is unchanged; a wrong
+    result would show in the codes: a quantisation of another row fails the same compare."""
+    from dsv4_moe.kernels.act_quant import act_quant
+
+    x, w, bias = _inputs(t, h, e, seed=t + h)
+    x = x * 3
+    got = route_topk(x, w, bias, None, None, 6, SCALE, logits_impl=impl, act_quant=pairs)
+    plain = route_topk(x, w, bias, None, None, 6, SCALE, logits_impl=impl)
+    want = act_quant(x, pairs=pairs)
+    assert len(got) == 2 + len(want)
+    assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+    assert torch.equal(got[2].view(torch.uint8), want[0].view(torch.uint8))
+    for a, b in zip(got[3:], want[1:]):
+        assert torch.equal(a, b)
+    q_ref, s_ref = ref.act_quant(x)
+    assert torch.equal(got[2].view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(got[3], s_ref)
+    other = act_quant(torch.roll(x, 1, dims=0))[0]  # negative control
+    assert t == 1 or not torch.equal(got[2].view(torch.uint8), other.view(torch.uint8))
+
+
+def test_act_quant_in_logits_guards():
+    x, w, bias = _inputs(20, 256, 16, seed=1)
+    with pytest.raises(ValueError, match="x is quantised inside the Triton logits launch"):
+        route_topk(x, w, bias, None, None, 4, SCALE, logits_impl="mm", act_quant=False)
+    with pytest.raises(ValueError, match="pairs="):
+        route_topk(x, w, bias, None, None, 4, SCALE, logits_impl="gemv", act_quant="yes")
+    out = route_topk(x[:0], w, bias, None, None, 4, SCALE, logits_impl="gemv", act_quant=True)
+    assert [tuple(o.shape) for o in out] == [(0, 4), (0, 4), (0, 256), (0, 2), (0, 256)]
 
 
 def test_logits_gemv_blocks_cover_every_t():

@@ -34,10 +34,13 @@ def test_layer_kernel_paths(kernels_on_cpu, li, layout):
     ids = torch.randint(0, CFG.vocab_size, (5,), generator=g).to(dev)
     plan = {p.stage: p.chosen.name for p in dispatch.plan(layer.context(5))}
     assert plan["finalize"] == "fused" and plan["swiglu_quant"] == "fused" and plan["routed_experts"] == "triton", plan
+    assert plan["front"] == "quant_in_logits", plan
     fused = layer(x, ids)
     with force_paths(swiglu_quant="unfused", finalize="unfused"):
         unfused = layer(x, ids)
     assert_bitwise_equal(fused, unfused, "fused vs unfused layer", layer=li)
+    with force_paths(front="separate"):  # act_quant in its own launch
+        assert_bitwise_equal(layer(x, ids), fused, "quant_in_logits vs separate front", layer=li)
     ref = reference.moe_forward(x.cpu(), ids.cpu(), w.to("cpu"), CFG)
     assert_bf16_close(fused.cpu(), ref, "layer", "kernel layer vs CPU reference", layer=li)
 

@@ -269,6 +269,9 @@ def test_front_dispatch_reasons(monkeypatch):
     def ctx(t):
         return DispatchContext(device=torch.device("cuda", 0), num_tokens=t)
 
+    import dsv4_moe.kernels.router as rt
+    monkeypatch.setattr(rt, "QUANT_IN_LOGITS", False)  # the separate launches' reason (quant_in_logits: below)
+    dispatch.clear_plan_cache()
     p = dispatch.plan_stage("front", ctx(1))
     assert p.chosen.name == "separate" and "measured level" in p.reason and "force_paths(front='fused')" in p.reason
     with force_paths(front="fused"):
@@ -284,6 +287,40 @@ def test_front_dispatch_reasons(monkeypatch):
         dispatch.clear_plan_cache()  # select() memoises; a swapped fact needs a fresh plan
         with pytest.raises(RuntimeError, match="Triton interpreter"):
             dispatch.select("front", ctx(1))
+
+
+def test_front_quant_in_logits_dispatch(monkeypatch):
+    """act_quant inside the router's logits launch: taken where the logits are the Triton GEMV
+    (T <= GEMV_MAX_T) or tensor-core kernel (bf16 gate, T <= MMA_MAX_T), rejected with the
+    reason elsewhere, when the router / act_quant stages leave Triton, or when switched off."""
+    import dsv4_moe.kernels._triton_utils as tu
+    import dsv4_moe.kernels.router as rt
+
+    monkeypatch.setattr(dispatch, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(tu, "interpreting", lambda: False)
+    dispatch.clear_plan_cache()
+
+    def ctx(t, dtype=torch.bfloat16):
+        return DispatchContext(device=torch.device("cuda", 0), num_tokens=t, router_dtype=dtype)
+
+    p = dispatch.plan_stage("front", ctx(1))
+    assert p.chosen.name == "quant_in_logits" and "gemv logits launch" in p.reason
+    p = dispatch.plan_stage("front", ctx(rt.MMA_MAX_T))
+    assert p.chosen.name == "quant_in_logits" and "mma logits launch" in p.reason
+    for c in (ctx(rt.MMA_MAX_T + 1), ctx(rt.GEMV_MAX_T + 1, torch.float32)):
+        p = dispatch.plan_stage("front", c)
+        assert p.chosen.name == "separate"
+        assert "the logits are cuBLAS here" in dict(p.rejected)["quant_in_logits"]
+    assert dispatch.plan_stage("front", ctx(rt.GEMV_MAX_T, torch.float32)).chosen.name == "quant_in_logits"
+    with force_paths(act_quant="reference"):
+        p = dispatch.plan_stage("front", ctx(1))
+        assert p.chosen.name == "separate"
+        assert "stage 'act_quant' takes its 'reference' path" in dict(p.rejected)["quant_in_logits"]
+    monkeypatch.setattr(rt, "QUANT_IN_LOGITS", False)
+    dispatch.clear_plan_cache()
+    p = dispatch.plan_stage("front", ctx(1))
+    assert p.chosen.name == "separate" and "switched off" in dict(p.rejected)["quant_in_logits"]
+    dispatch.clear_plan_cache()
 
 
 def test_optional_backend_import_is_tried_once():

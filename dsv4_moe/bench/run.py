@@ -267,9 +267,11 @@ def _apply_set(item: str) -> str:
     else:
         raise ValueError(f"{attr} is of type {type(old).__name__}, not a bool / int / float / str constant")
     setattr(mod, attr, new)
+    from dsv4_moe import dispatch
     from dsv4_moe.kernels import routed_experts  # its memoised configs read module constants
 
     routed_experts._routed_configs.cache_clear()
+    dispatch.clear_plan_cache()  # the dispatch predicates read switches too (router.QUANT_IN_LOGITS)
     return f"--set: {mod_name}.{attr} = {new!r} (default {old!r})"
 
 
