@@ -95,3 +95,28 @@ def test_explain_names_the_routed_gemm_bodies(kernels_on_cpu):
         assert ("SwiGLU-quant over the alignment's rows" in text) == (not listed), text
     w.routed.down_scale.view(torch.uint8)[0, 0, 0] = 200   # routed stage falls back: no GEMM line
     assert "routed GEMMs" not in DeepseekV4MoE(CFG, w).explain(3)
+
+
+@pytest.mark.parametrize("t", [1, 3, 40])
+def test_routed_align_ahead_of_the_routed_stage(kernels_on_cpu, t):
+    """stages.routed_align (the alignment the layer launches before forking the shared expert,
+    layers.FORK_AFTER_ALIGN) is the one the triton routed stage computes itself: same BLOCK_M,
+    and the routed output is bitwise the same whether it is passed in or not."""
+    from dsv4_moe import stages
+
+    w = random_layer_weights(CFG, layer_idx=1, seed=9, device=kernels_on_cpu)
+    layer = DeepseekV4MoE(CFG, w)
+    g = torch.Generator().manual_seed(t)
+    x = (torch.randn(t, CFG.hidden_size, generator=g) * 4).to(torch.bfloat16).to(kernels_on_cpu)
+    topk_w, topk_ids = stages.router_triton(x, layer.router, None, CFG.num_experts_per_tok, CFG.routed_scaling_factor)
+    q, sa = stages.act_quant_triton(x)
+    align = stages.routed_align(topk_w, topk_ids, layer.routed)
+    args = (q, sa, topk_w, topk_ids, layer.routed, CFG.swiglu_limit, "fused")
+    pairs = stages.routed_wants_pairs(t * CFG.num_experts_per_tok, layer.routed)
+    q_pairs = stages.act_quant_triton(x, pairs=pairs)[2] if pairs else None
+    ahead = stages.routed_experts_triton(*args, q_pairs=q_pairs, align=align)
+    itself = stages.routed_experts_triton(*args, q_pairs=q_pairs)
+    assert_bitwise_equal(ahead, itself, "routed stage with the alignment passed in", T=t)
+    # negative control: an alignment of other routes gives other rows
+    other = stages.routed_align(topk_w, topk_ids.flip(1).roll(1, dims=0), layer.routed)
+    assert t == 1 or not torch.equal(other.sorted_route_ids, align.sorted_route_ids)
