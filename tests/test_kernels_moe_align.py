@@ -146,3 +146,53 @@ def test_bad_args(bad):
         moe_align(_ids(2, 2, 8, 0), **kw)
     with pytest.raises(ValueError, match="topk_ids"):
         moe_align(torch.zeros(2, 2), 8, 0, 16)
+
+
+@pytest.mark.parametrize("t,k,e,first,num_local,bm,weights", [
+    (11, 6, 384, 0, 384, 16, True),     # Pro-TP8 T = 11: the first size past the one-program kernel
+    (16, 6, 256, 0, 256, 16, True),     # Flash T = 16: 96 routes, two chunks
+    (42, 6, 384, 0, 384, 16, False),    # four chunks, no weights
+    (40, 6, 384, 96, 48, 16, True),     # an EP rank: most routes skipped
+    (21, 6, 256, 0, 256, 64, True),     # 64-row blocks
+    (170, 6, 16, 0, 16, 16, True),      # 16 chunks (the arriving program's scan limit), few experts
+    (3, 2, 8, 8, 8, 16, True)])         # no local route at all
+def test_arrive_path_equals_chunked(t, k, e, first, num_local, bm, weights):
+    """The one-launch "arrive" kernel (each program counts its chunk, the last to arrive scans
+    and scatters everything) gives the three launches' outputs bit for bit, passes the
+    invariants, and leaves its arrival counter at 0 (a second call, as a graph replay, gives
+    the same bits)."""
+    from dsv4_moe.kernels.split_k import tile_counters
+
+    ids = _ids(t, k, e, t + e)
+    tw = torch.rand(t, k) if weights else None
+    a = _check(ids, num_local, first, bm, tw, impl="arrive")
+    b = _check(ids, num_local, first, bm, tw, impl="chunked")
+    for f in FIELDS:
+        assert torch.equal(getattr(a, f), getattr(b, f)) if getattr(a, f) is not None else getattr(b, f) is None, f
+    assert int(tile_counters(ids.device, 1)[0]) == 0, "arrival counter not reset"
+    again = moe_align(ids, num_local, first, bm, tw, impl="arrive")
+    assert all(torch.equal(getattr(again, f), getattr(a, f)) for f in FIELDS if getattr(a, f) is not None)
+
+
+def test_arrive_path_limits_and_auto(monkeypatch):
+    import dsv4_moe.kernels.moe_align as ma
+
+    with pytest.raises(ValueError, match="impl='arrive': needs R <= 1024 routes"):
+        moe_align(_ids(200, 6, 16, 0), 16, 0, 16, impl="arrive")   # 1200 routes
+    seen = []
+    import dsv4_moe.kernels._moe_align as body  # moe_align imports its kernels from here on each call
+    for name in ("_align_arrive_kernel", "_align_count_kernel"):
+        kern = getattr(body, name)
+
+        class Spy:
+            def __init__(self, k, n):
+                self.k, self.n = k, n
+
+            def __getitem__(self, grid):
+                seen.append(self.n)
+                return self.k[grid]
+        monkeypatch.setattr(body, name, Spy(kern, name))
+    moe_align(_ids(16, 6, 64, 1), 64, 0, 16)        # 96 routes: arrive
+    monkeypatch.setattr(ma, "ARRIVE_MAX_CHUNKS", 0)
+    moe_align(_ids(16, 6, 64, 1), 64, 0, 16)        # switched off: three launches
+    assert seen == ["_align_arrive_kernel", "_align_count_kernel"]
