@@ -27,7 +27,7 @@ import torch
 __all__ = [
     "DispatchContext", "Path", "STAGES", "select", "plan", "explain", "force_paths", "clear_plan_cache",
     "has_cuda", "has_fp8_mma", "has_pdl", "has_triton", "is_gfx950",
-    "PDL_MODE", "PDL_MODES", "pdl_mode", "pdl_scope", "pdl_policy", "shared_overlap_policy",
+    "PDL_MODE", "PDL_MODES", "pdl_mode", "pdl_scope", "pdl_policy", "shared_overlap_policy", "shared_fork_policy",
 ]
 
 
@@ -124,12 +124,35 @@ def pdl_policy(num_tokens: int, shared_overlapped: bool, intermediate: int = 0) 
     # (profile_layer_twins5_b99040d.txt): T=4 off 157.3 against 163.3-167.7 over six captures
     # at exit. Not on Pro-TP8 (I = 384), where exit stays ahead at T = 2-4 (80.4 vs 81.8 at
     # T = 3, 90.7 vs 92.3 at T = 4).
-    if shared_overlapped and intermediate >= 2048 and 3 <= num_tokens <= 4:
-        return "off", (f"shared expert overlapped, T = {num_tokens}, I = {intermediate}: launched without PDL "
-                       f"(measured faster than release at exit on the H200)")
-    if shared_overlapped and num_tokens > 1:
-        return "exit", "shared expert overlapped, T > 1: successors released at CTA exit"
-    return "early", ("T = 1" if shared_overlapped else "shared expert in line") + ": successors released early"
+    # NOTE (session 27, docs/bench/2026-11-30/session27/profile_layer_sweep*_b617cfa.txt, H200,
+    # gpu_profile_layer.py --weight-sets 4, 12 forwards per graph, two runs, us, shared expert
+    # overlapped, PDL early / exit / off): Pro-TP8 (I = 384) T=2 46.3 / 48.4 / 48.9 and 45.8 / 48.2
+    # / 48.6, T=3 60.5 / 60.6 / 60.5 and 58.9 / 59.3 / 59.4, T=4 75.1 / 69.4 / 68.2 and 75.0 / 69.0 /
+    # 68.3, T=6 86.9 / 86.5 / 87.4; Flash (I = 2048) T=5 150.2 / 152.8 / 155.1, T=6 173.0 / 176.4 /
+    # 178.5 and 167.0 / 170.0 / 172.2, T=8 213.0 / 212.8 / 214.9. So early at Pro-shaped T = 2-3
+    # and Flash-shaped T = 5-6, none at Pro-shaped T = 4, at exit elsewhere from T = 2.
+    if not shared_overlapped or num_tokens == 1:
+        return "early", ("T = 1" if shared_overlapped else "shared expert in line") + ": successors released early"
+    why = f"shared expert overlapped, T = {num_tokens}, I = {intermediate}"
+    if (intermediate >= 2048 and 3 <= num_tokens <= 4) or (0 < intermediate < 2048 and num_tokens == 4):
+        return "off", f"{why}: launched without PDL (measured faster than release at exit on the H200)"
+    if (intermediate >= 2048 and 5 <= num_tokens <= 6) or (0 < intermediate < 2048 and 2 <= num_tokens <= 3):
+        return "early", f"{why}: successors released early (measured faster than at exit on the H200)"
+    return "exit", "shared expert overlapped, T > 1: successors released at CTA exit"
+
+
+def shared_fork_policy(num_tokens: int, intermediate: int) -> tuple[bool, str]:
+    """(after_align, reason): whether the layer forks the shared expert's side stream only
+    after launching the routed alignment (triton routed path) instead of right after the
+    front (`layers.FORK_AFTER_ALIGN` "auto")."""
+    # NOTE (session 27, H200, gpu_profile_layer.py --ab dsv4_moe.layers.FORK_AFTER_ALIGN, 12
+    # forwards per graph, us, after the front / after the alignment; docs/bench/2026-11-30/
+    # session27/): Flash T=1 58.3 / 56.3 (3 captures each) and 60.2 / 58.4 (2 captures); Pro-TP8
+    # T=1 33.1 / 33.4 and 32.6 / 32.7. At T >= 2 it moved by -3 to +20 us with no pattern that
+    # held across T (Pro-TP8 T=8 97.5 / 117.6, T=16 157.5 / 154.5; Flash T=4 135.2 / 145.1).
+    if num_tokens == 1 and intermediate >= 2048:
+        return True, f"T = 1, I = {intermediate}: shared expert forked after the routed alignment's launch"
+    return False, "shared expert forked right after the front"
 
 
 @functools.lru_cache(maxsize=4096)  # pure; asked on every forward
@@ -151,10 +174,15 @@ def shared_overlap_policy(num_tokens: int, num_local_experts: int, top_k: int,
     # (I/tp = 384) at T = 3-4 runs in line faster: T=3 76.8 / 80.7 and 76.8 / 80.9, T=4 87.1 /
     # 91.0 twice; the overlap stays ahead at T = 1 (53.0 / 49.4), 2 (level, 65.0 / 64.4) and
     # 5-64 (T=5 112.1 / 100.5, T=16 204.5 / 188.3, T=64 431.7 / 418.0).
+    # NOTE (session 27, same runs as pdl_policy's session-27 note, us, in line with PDL early /
+    # the best overlapped form): Pro-TP8 T=3 65.2 / 60.5 and 63.8 / 58.9, T=4 70.9 / 68.2 and 70.8 /
+    # 68.3 - the session-22 in-line band no longer pays since the front changed (the PDL modes
+    # above); Flash T=2 88.9 / 91.5 and 88.7 / 91.4 (session 26 call: 89.2-89.5 / 93.0-93.5 at exit,
+    # one capture of 86.0-86.1 without PDL) - in line.
     rows = num_tokens * top_k / max(num_local_experts, 1)
-    if intermediate < 2048 and 3 <= num_tokens <= 4:
-        return False, (f"in line: T = {num_tokens} with I = {intermediate} (measured 4-5 % faster than the "
-                       f"side stream on the H200)")
+    if intermediate >= 2048 and num_tokens == 2:
+        return False, (f"in line: T = 2 with I = {intermediate} (measured 3 % faster than the side stream on "
+                       f"the H200)")
     if intermediate >= 2048 and 0.5 <= rows <= 8:
         return False, (f"in line: {rows:.2f} routed rows per expert with I = {intermediate} (the side "
                        f"stream slowed such layers 4-10 % on the H200)")

@@ -122,8 +122,9 @@ class DeepseekV4MLP(_NativeBuffers):
 SIDE_STREAM_PRIORITY = 0
 # Fork the shared expert's side stream only after the routed alignment is launched (triton
 # routed path), so the shared GEMM's CTAs do not fill the SMs while the alignment (one
-# program, on the critical path) waits for a slot or runs beside them. A/B switch.
-FORK_AFTER_ALIGN = False
+# program, on the critical path) runs beside them: "auto" (dispatch.shared_fork_policy),
+# "on" or "off". A/B switch.
+FORK_AFTER_ALIGN = "auto"
 
 
 class DeepseekV4MoE(_NativeBuffers):
@@ -272,7 +273,7 @@ class DeepseekV4MoE(_NativeBuffers):
         topk_w, topk_ids, q, sa, q_pairs, align = dispatch.select("front", ctx).impl(
             ctx, x, self.router, input_ids, c.num_experts_per_tok, c.routed_scaling_factor, self.routed, pairs)
         side = self._side_stream(x.device, t)
-        if side is not None and align is None and routed.name == "triton" and FORK_AFTER_ALIGN:
+        if side is not None and align is None and routed.name == "triton" and self._fork_after_align(t):
             align = stages.routed_align(topk_w, topk_ids, self.routed)
         if side is None:
             shared = self.shared_experts.forward_quantised(q, sa, ctx)
@@ -327,6 +328,22 @@ class DeepseekV4MoE(_NativeBuffers):
             return True, "on a side stream, overlapped with the routed experts (overlap_shared=True)"
         return False, "in line (overlap_shared=False)"
 
+    def _shared_line(self, num_tokens: int) -> str:
+        ov, why = self.shared_overlap(num_tokens)
+        if not ov:
+            return why
+        late = self._fork_after_align(num_tokens)
+        how = (dispatch.shared_fork_policy(num_tokens, self.config.local_intermediate(self.tp_size))[1]
+               if FORK_AFTER_ALIGN == "auto" else f"layers.FORK_AFTER_ALIGN = {FORK_AFTER_ALIGN!r}")
+        return f"{why}; forked {'after the routed alignment' if late else 'right after the front'} ({how})"
+
+    def _fork_after_align(self, num_tokens: int) -> bool:
+        if FORK_AFTER_ALIGN not in ("auto", "on", "off"):
+            raise ValueError(f"layers.FORK_AFTER_ALIGN={FORK_AFTER_ALIGN!r}: expected 'auto', 'on' or 'off'")
+        if FORK_AFTER_ALIGN == "auto":
+            return dispatch.shared_fork_policy(num_tokens, self.config.local_intermediate(self.tp_size))[0]
+        return FORK_AFTER_ALIGN == "on"
+
     def _side_stream(self, device: torch.device, num_tokens: int):
         """The side stream of `device` for the shared expert (None: run it in line)."""
         if device.type != "cuda" or not self.shared_overlap(num_tokens)[0]:
@@ -345,7 +362,7 @@ class DeepseekV4MoE(_NativeBuffers):
                 f"{c.n_routed_experts}, top-{c.num_experts_per_tok}\n"
                 f"routed weights in layout {self.routed_layout!r}: {self.routed_layout_reason}"
                 f"{self._layout_hint()}\n"
-                f"shared expert: {self.shared_overlap(num_tokens)[1]}\n"
+                f"shared expert: {self._shared_line(num_tokens)}\n"
                 f"shared expert as expert {c.n_routed_experts} in the routed launch (SPEC §5.3): not taken: "
                 f"{self._heterogeneous_reason(num_tokens)}")
         if self.device.type == "cuda" and dispatch.has_pdl(self.device)[0]:

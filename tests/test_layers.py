@@ -236,23 +236,45 @@ def test_overlap_shared_option():
 
 def test_shared_overlap_policy_rule():
     """dispatch.shared_overlap_policy: in line for the Flash-shaped layer (I >= 2048) at
-    0.5-8 routed rows per expert (measured 4-10 % faster there on the H200), overlapped
-    at decode, above the band and for Pro-TP8's I/tp = 384 at every T but 3-4 (in line
-    4-5 % faster there, session 22)."""
+    0.5-8 routed rows per expert (measured 4-10 % faster there on the H200) and at T = 2
+    (session 27), overlapped at other decode sizes, above the band and for Pro-TP8's
+    I/tp = 384 at every T (its session-22 in-line band at T = 3-4 measured slower in session 27);
+    dispatch.shared_fork_policy: the fork after the routed alignment only at Flash-shaped T = 1."""
     from dsv4_moe import dispatch
 
     flash = dict(num_local_experts=256, top_k=6, intermediate=2048)
     pro = dict(num_local_experts=384, top_k=6, intermediate=384)
-    assert [dispatch.shared_overlap_policy(t, **flash)[0] for t in (1, 16, 32, 256, 384, 4096)] == \
-        [True, True, False, False, True, True]
-    assert all(dispatch.shared_overlap_policy(t, **pro)[0] for t in (1, 2, 5, 16, 64, 256, 1024, 8192))
-    ov, why = dispatch.shared_overlap_policy(4, **pro)  # the one Pro-TP8 band measured faster in line
-    assert not ov and "T = 4 with I = 384" in why
-    assert not dispatch.shared_overlap_policy(3, **pro)[0]
-    assert dispatch.shared_overlap_policy(4, **flash)[0]
+    assert [dispatch.shared_overlap_policy(t, **flash)[0] for t in (1, 2, 3, 16, 32, 256, 384, 4096)] == \
+        [True, False, True, True, False, False, True, True]
+    assert "T = 2 with I = 2048" in dispatch.shared_overlap_policy(2, **flash)[1]
+    assert all(dispatch.shared_overlap_policy(t, **pro)[0] for t in (1, 2, 3, 4, 5, 16, 64, 256, 1024, 8192))
     ov, why = dispatch.shared_overlap_policy(64, **flash)
     assert not ov and "1.50 routed rows per expert" in why and "I = 2048" in why
+    assert [dispatch.shared_fork_policy(t, 2048)[0] for t in (1, 2, 16)] == [True, False, False]
+    assert not dispatch.shared_fork_policy(1, 384)[0]
 
+
+def test_fork_after_align_switch(monkeypatch):
+    """layers.FORK_AFTER_ALIGN: "auto" follows shared_fork_policy, "on" / "off" force it, anything
+    else is a ValueError naming the value; explain() says where the shared expert forks."""
+    from dsv4_moe import layers
+
+    cfg = MoEConfig(hidden_size=256, moe_intermediate_size=2048, n_routed_experts=8, num_experts_per_tok=4,
+                    num_hidden_layers=2, num_hash_layers=0, vocab_size=64)
+    layer = DeepseekV4MoE(cfg, random_layer_weights(cfg, layer_idx=1, seed=1))
+    assert layer._fork_after_align(1) and not layer._fork_after_align(2)
+    monkeypatch.setattr(layers, "FORK_AFTER_ALIGN", "on")
+    assert layer._fork_after_align(2)
+    monkeypatch.setattr(layers, "FORK_AFTER_ALIGN", "off")
+    assert not layer._fork_after_align(1)
+    monkeypatch.setattr(layers, "FORK_AFTER_ALIGN", True)
+    with pytest.raises(ValueError, match="FORK_AFTER_ALIGN=True: expected 'auto', 'on' or 'off'"):
+        layer._fork_after_align(1)
+    monkeypatch.setattr(layers, "FORK_AFTER_ALIGN", "auto")
+    assert layer._shared_line(1) == "in line (device cpu)"
+    monkeypatch.setattr(layer, "shared_overlap", lambda t: (True, "on a side stream"))  # as on CUDA
+    assert "forked after the routed alignment (T = 1, I = 2048" in layer._shared_line(1)
+    assert "forked right after the front" in layer._shared_line(2)
 
 
 def test_front_dispatch_reasons(monkeypatch):
