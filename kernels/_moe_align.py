@@ -29,7 +29,7 @@ overwrite their rows; each valid M-block's expert is written by the routes it ho
 import triton
 import triton.language as tl
 
-from ._triton_utils import pdl_enter, split_k_arrive, split_k_reset
+from ._triton_utils import pdl_enter
 
 
 @triton.jit
@@ -93,7 +93,7 @@ def _align_scatter_kernel(ids_ptr, route_rows_ptr, chunk_base_ptr, expert_counts
     offs, nvb = _align_offsets(tot, ecol, is_e, expert_offsets_ptr, num_blocks_ptr, num_local, pid == 0, BLOCK_M)
     _align_scatter_routes(ids_ptr, route_rows_ptr, chunk_base_ptr, sorted_ids_ptr, row_expert_ptr, topk_w_ptr,
                           row_weight_ptr, offs, pid, (pid < C), R, first_expert, num_local,
-                          HAS_WEIGHTS, BLOCK, E_PAD, "")
+                          HAS_WEIGHTS, BLOCK, E_PAD)
     _align_scatter_blocks(sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_weight_ptr, tot, offs, is_e, nvb,
                           pid, R, max_blocks, HAS_WEIGHTS, BLOCK_M, BB)
 
@@ -117,15 +117,13 @@ def _align_offsets(tot, ecol, is_e, expert_offsets_ptr, num_blocks_ptr, num_loca
 @triton.jit
 def _align_scatter_routes(ids_ptr, route_rows_ptr, chunk_base_ptr, sorted_ids_ptr, row_expert_ptr, topk_w_ptr,
                           row_weight_ptr, offs, c, chunk_ok, R, first_expert, num_local,
-                          HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr, E_PAD: tl.constexpr,
-                          CACHE: tl.constexpr):
+                          HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr, E_PAD: tl.constexpr):
     """Routes of chunk c -> their rows: row = offs[e] + chunk_base[c, e] + rank (the rank the
-    count step left in route_rows, read with cache modifier CACHE); route_rows then holds
-    the row (-1 if not local)."""
+    count step left in route_rows); route_rows then holds the row (-1 if not local)."""
     r = c * BLOCK + tl.arange(0, BLOCK)
     in_r = (r < R) & chunk_ok
     key, local = _local_key(ids_ptr, r, in_r, first_expert, num_local)
-    rank = tl.load(route_rows_ptr + r, mask=local, other=0, cache_modifier=CACHE)
+    rank = tl.load(route_rows_ptr + r, mask=local, other=0)
     base = tl.load(chunk_base_ptr + c * E_PAD + key, mask=local, other=0)
     dest = tl.gather(offs, tl.where(local, key, 0), 0) + base + rank
     tl.store(sorted_ids_ptr + dest, r, mask=local)
@@ -158,46 +156,6 @@ def _align_scatter_blocks(sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_
     tl.store(row_expert_ptr + rows, tl.full([BB, BLOCK_M], -1, tl.int32), mask=pad)
     if HAS_WEIGHTS:
         tl.store(row_weight_ptr + rows, tl.zeros([BB, BLOCK_M], tl.float32), mask=pad)
-
-
-@triton.jit
-def _align_arrive_kernel(ids_ptr, topk_w_ptr, route_rows_ptr, chunk_counts_ptr, chunk_base_ptr, cnt_ptr,
-                         expert_counts_ptr, expert_offsets_ptr, num_blocks_ptr, sorted_ids_ptr, block_expert_ptr,
-                         row_expert_ptr, row_weight_ptr,
-                         R, first_expert, num_local, C, max_blocks,
-                         HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BB: tl.constexpr,
-                         E_PAD: tl.constexpr, E_TILE: tl.constexpr, C_PAD: tl.constexpr, NB_PAD: tl.constexpr,
-                         PDL: tl.constexpr = 0):
-    """The three launches in one (session 27): grid (C,), each program the count step of its
-    chunk; the program that arrives last (`split_k_arrive`, as the split-K fixups) runs the
-    scan over all C chunks (C <= C_PAD, one [C_PAD, E_PAD] tile) and the scatter of every
-    chunk and M-block, reading the other programs' ranks and counts through L2, and sets
-    the arrival counter back to 0. Same outputs as the three launches, bit for bit."""
-    pdl_enter(PDL)
-    c = tl.program_id(0)
-    _align_count_body(ids_ptr, route_rows_ptr, chunk_counts_ptr, c, R, first_expert, num_local, BLOCK, E_PAD, E_TILE)
-    if split_k_arrive(cnt_ptr, C):
-        cc = tl.arange(0, C_PAD)
-        ecol = tl.arange(0, E_PAD)
-        is_e = ecol < num_local
-        m = cc[:, None] < C
-        idx = cc[:, None] * E_PAD + ecol[None, :]
-        cnt = tl.load(chunk_counts_ptr + idx, mask=m, other=0, cache_modifier=".cg")
-        tl.store(chunk_base_ptr + idx, tl.cumsum(cnt, axis=0) - cnt, mask=m)
-        tot = tl.sum(cnt, axis=0)
-        tl.store(expert_counts_ptr + ecol, tot, mask=is_e)
-        offs, nvb = _align_offsets(tot, ecol, is_e, expert_offsets_ptr, num_blocks_ptr, num_local, True, BLOCK_M)
-        tl.debug_barrier()  # chunk_base (this program's stores, any thread) before the route loop reads it
-        # NOTE: static loops (the interpreter runs no loop with a run-time bound); chunks past C
-        # and block groups past max_blocks are masked
-        for ch in tl.static_range(C_PAD):
-            _align_scatter_routes(ids_ptr, route_rows_ptr, chunk_base_ptr, sorted_ids_ptr, row_expert_ptr,
-                                  topk_w_ptr, row_weight_ptr, offs, ch, ch < C, R, first_expert, num_local,
-                                  HAS_WEIGHTS, BLOCK, E_PAD, ".cg")
-        for g in tl.static_range(NB_PAD):
-            _align_scatter_blocks(sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_weight_ptr, tot, offs,
-                                  is_e, nvb, g, R, max_blocks, HAS_WEIGHTS, BLOCK_M, BB)
-        split_k_reset(cnt_ptr)
 
 
 @triton.jit

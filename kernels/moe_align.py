@@ -70,12 +70,13 @@ SMALL_MAX_ROUTES = 64
 # 203.6 at 8 warps), so the 64-route limit stays.
 SMALL_NUM_WARPS = 4
 SMALL_NUM_WARPS_64 = 8
-# Past the one-launch kernel, up to this many 64-route chunks (R <= 64 * ARRIVE_MAX_CHUNKS):
-# the three launches in one (`_align_arrive_kernel`: each program counts its chunk, the last
-# to arrive scans and scatters everything); 0 turns it off. Same outputs.
-ARRIVE_MAX_CHUNKS = 4
-_ARRIVE_BB = 64   # M-blocks per step of the arriving program's block loop
-_ARRIVE_LIMIT = 16  # chunks the arriving program's one-tile scan takes (C_PAD x E_PAD <= 16 x 512)
+# NOTE (session 27, H200, not kept): the three launches in one for 65-1024 routes (each program
+# counting its chunk, the last to arrive - split_k_arrive - scanning and scattering everything)
+# was bitwise the three launches but slower: alone 7.8-8.4 us at E 256 and 10.3-11.2 at E 384
+# for 66-126 routes against 5.1-6.0 (gpu_check_router.py --parts align_arrive), and the layer
+# 15-20 us slower (Pro-TP8 T=12 131.1 -> 151.6, T=16 157.0 -> 174.6, T=21 206.0 -> 226.3;
+# docs/bench/2026-11-30/session27/). Its serial tail (scan + every chunk's scatter in one
+# program) costs more than the two launches it saves.
 
 
 @dataclass
@@ -146,12 +147,10 @@ def moe_align(topk_ids: torch.Tensor, num_local: int, first_expert: int, block_m
     """Group the (token, slot) routes of `topk_ids` by local expert; see the module doc.
 
     impl: "auto" (one launch for decode-sized inputs, R <= SMALL_MAX_ROUTES routes and max_rows <=
-    SMALL_MAX_ROWS; then the one-launch "arrive" kernel up to ARRIVE_MAX_CHUNKS chunks of 64
-    routes; else three), "small" (force the one-program kernel; raises past those limits),
-    "arrive" (force the arriving-program kernel, any size) or "chunked" (force the three
-    launches). All give the same outputs."""
-    if impl not in ("auto", "small", "arrive", "chunked"):
-        raise ValueError(f"impl={impl!r}: expected 'auto', 'small', 'arrive' or 'chunked'")
+    SMALL_MAX_ROWS; else three), "small" (force the one-launch kernel; raises past those
+    limits) or "chunked" (force the three launches). Both give the same outputs."""
+    if impl not in ("auto", "small", "chunked"):
+        raise ValueError(f"impl={impl!r}: expected 'auto', 'small' or 'chunked'")
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 \
             or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids: expected a [T, k] int32/int64 tensor, got "
@@ -207,25 +206,6 @@ def moe_align(topk_ids: torch.Tensor, num_local: int, first_expert: int, block_m
         return out
     chunk_counts = torch.empty((c, e_pad), **i32)
     chunk_base = torch.empty((c, e_pad), **i32)
-    if impl == "arrive" and c > _ARRIVE_LIMIT:
-        raise ValueError(f"impl='arrive': needs R <= {_ARRIVE_LIMIT * _BLOCK} routes (the arriving program scans "
-                         f"[chunks x experts] in one tile), got R={r}")
-    if impl == "arrive" or (impl == "auto" and c <= min(ARRIVE_MAX_CHUNKS, _ARRIVE_LIMIT)):
-        from ._moe_align import _align_arrive_kernel
-        from .split_k import tile_counters
-
-        tw = None if topk_weights is None else topk_weights.contiguous().view(-1)
-        c_pad = triton.next_power_of_2(c)
-        _align_arrive_kernel[(c,)](ids, tw if tw is not None else ids, out.route_rows, chunk_counts, chunk_base,
-                                   tile_counters(dev, 1), out.expert_counts, out.expert_offsets,
-                                   out.num_valid_blocks, out.sorted_route_ids, out.block_expert, out.row_expert,
-                                   out.row_weight if tw is not None else out.row_expert,
-                                   r, first_expert, num_local, c, max_blocks,
-                                   HAS_WEIGHTS=tw is not None, BLOCK=_BLOCK, BLOCK_M=block_m, BB=_ARRIVE_BB,
-                                   E_PAD=e_pad, E_TILE=_E_TILE, C_PAD=c_pad,
-                                   NB_PAD=triton.next_power_of_2(triton.cdiv(max_blocks, _ARRIVE_BB)),
-                                   num_warps=4, **pdl)
-        return out
     _align_count_kernel[(c,)](ids, out.route_rows, chunk_counts, r, first_expert, num_local,
                               BLOCK=_BLOCK, E_PAD=e_pad, E_TILE=_E_TILE, num_warps=4, **pdl)
     c_pad = triton.next_power_of_2(c)

@@ -323,27 +323,6 @@ def align_warps(tokens=(4, 8, 10, 11, 12, 16, 20, 21)):
         ma.SMALL_MAX_ROUTES, ma.SMALL_NUM_WARPS = saved
 
 
-def align_arrive(tokens=(11, 12, 16, 21, 32, 42, 64, 100, 170)):
-    """The one-launch "arrive" alignment (session 27) against the three launches: bitwise, and
-    graph-timed (first routes of the Flash / Pro shapes, 16-row blocks)."""
-    from dsv4_moe.kernels.moe_align import moe_align
-    fields = ("sorted_route_ids", "block_expert", "num_valid_blocks", "expert_offsets", "expert_counts",
-              "route_rows", "row_expert", "row_weight")
-    g = torch.Generator().manual_seed(6)
-    for e in (256, 384):
-        for t in tokens:
-            ids = torch.stack([torch.randperm(e, generator=g)[:6] for _ in range(t)]).sort(1).values.int().to(DEV)
-            tw = torch.rand(t, 6, generator=g).to(DEV)
-            b = moe_align(ids, e, 0, 16, tw, impl="chunked")
-            a = moe_align(ids, e, 0, 16, tw, impl="arrive")
-            a2 = moe_align(ids, e, 0, 16, tw, impl="arrive")
-            ok = all(torch.equal(getattr(a, f), getattr(b, f)) and torch.equal(getattr(a2, f), getattr(b, f))
-                     for f in fields)
-            emit(check="align_arrive", E=e, T=t, routes=6 * t, ok=ok,
-                 chunked_us=graph_us(lambda: moe_align(ids, e, 0, 16, tw, impl="chunked")),
-                 arrive_us=graph_us(lambda: moe_align(ids, e, 0, 16, tw, impl="arrive")))
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="scores,ids,align,time")
@@ -364,8 +343,6 @@ def main():
         check_align()
     if "align_warps" in parts:
         align_warps()
-    if "align_arrive" in parts:
-        align_arrive()
     if "time" in parts:
         time_router(args.budget_s, tuple(int(v) for v in args.tokens.split(",")))
     if "topk" in parts:
