@@ -1,7 +1,7 @@
 """H200 check + probe of the decode front end: the router (kernels/router.py: in-kernel
 scores, the logits GEMV) and moe_align's one-launch decode kernel.
 
-    OUT=./out python3 scripts/gpu_check_router.py [--parts scores,ids,align,time,topk] [--budget-s 200]
+    OUT=./out python3 scripts/gpu_check_router.py [--parts scores,ids,align,time,topk,align_warps] [--budget-s 200]
 
 scores  every fp32 bit pattern (2^32, in chunks): `_sqrt_softplus` (libdevice log1p/exp,
         IEEE sqrt) against torch.sqrt(F.softplus(x)) on the same GPU; must be bitwise
@@ -21,6 +21,8 @@ time    CUDA-graph replay, gate weights rotated over 32 copies (so the 60 MB L2 
         block variants.
 topk    (not in the default parts) the top-k kernel's launch switches (router.TOPK_PACKED /
         TOPK_WARPS): route_topk bitwise the default and its graph time per variant.
+align_warps (not in the default parts; session 27) the one-launch alignment at 4 / 8 / 16 warps
+        with a 128-route limit, T = 4-21: bitwise the three launches, and graph times.
 Writes $OUT/router.json and prints one line per row.
 """
 from __future__ import annotations
@@ -301,7 +303,7 @@ def align_warps(tokens=(4, 8, 10, 11, 12, 16, 20, 21)):
     fields = ("sorted_route_ids", "block_expert", "num_valid_blocks", "expert_offsets", "expert_counts",
               "route_rows", "row_expert", "row_weight")
     g = torch.Generator().manual_seed(5)
-    saved = (ma.SMALL_MAX_ROUTES, ma.SMALL_NUM_WARPS)
+    saved = (ma.SMALL_MAX_ROUTES, ma.SMALL_NUM_WARPS, ma.SMALL_NUM_WARPS_64)
     ma.SMALL_MAX_ROUTES = 128
     try:
         for e, bm in ((256, 16), (384, 16)):
@@ -313,14 +315,14 @@ def align_warps(tokens=(4, 8, 10, 11, 12, 16, 20, 21)):
                            chunked_us=graph_us(lambda: moe_align(ids, e, 0, bm, tw, impl="chunked")))
                 ok = True
                 for nw in (4, 8, 16):
-                    ma.SMALL_NUM_WARPS = nw
+                    ma.SMALL_NUM_WARPS = ma.SMALL_NUM_WARPS_64 = nw  # below / from 64-route tiles
                     a = moe_align(ids, e, 0, bm, tw, impl="small")
                     ok = ok and all(torch.equal(getattr(a, f), getattr(b, f)) for f in fields)
                     row[f"small_w{nw}_us"] = graph_us(lambda: moe_align(ids, e, 0, bm, tw, impl="small"))
                 row["ok"] = ok
                 emit(**row)
     finally:
-        ma.SMALL_MAX_ROUTES, ma.SMALL_NUM_WARPS = saved
+        ma.SMALL_MAX_ROUTES, ma.SMALL_NUM_WARPS, ma.SMALL_NUM_WARPS_64 = saved
 
 
 def main():
