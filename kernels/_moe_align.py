@@ -159,17 +159,91 @@ def _align_scatter_blocks(sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_
 
 
 @triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _align_sorted_body(ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, expert_offsets_ptr,
+                       num_blocks_ptr, sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_weight_ptr,
+                       R, first_expert, num_local, max_blocks,
+                       HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                       E_PAD: tl.constexpr, ROWS_PAD: tl.constexpr, MB_PAD: tl.constexpr):
+    """The one-program alignment by sorting (session 27, untimed): the BLOCK routes' keys
+    (local expert, E_PAD for a route that is not local or past R) packed with their index,
+    key * BLOCK + i, sorted ascending - so by expert and, within an expert, by route (the
+    counting sort's order). In sorted order a route's rank is its distance from its expert's
+    first position (a max-scan of the segment starts), its expert's count is known at the
+    segment's last position (rank + 1), and its expert's start is the sum of the padded counts
+    of the segments before it (a cumsum over the last positions). Every step is a [BLOCK]
+    vector: no [routes x routes] or [routes x experts] tile. Same outputs as the other forms."""
+    i = tl.arange(0, BLOCK)
+    in_r = i < R
+    key, local = _local_key(ids_ptr, i, in_r, first_expert, num_local)
+    packed = tl.where(local, key, E_PAD) * BLOCK + i
+    srt = tl.sort(packed)
+    sk = srt // BLOCK                      # key in sorted order (E_PAD: not local)
+    si = srt % BLOCK                       # route index in sorted order
+    s_local = sk < E_PAD
+    prev = tl.gather(sk, tl.maximum(i - 1, 0), 0)
+    nxt = tl.gather(sk, tl.minimum(i + 1, BLOCK - 1), 0)
+    start = (i == 0) | (sk != prev)
+    last = (i == BLOCK - 1) | (sk != nxt)
+    rank = i - tl.associative_scan(tl.where(start, i, 0), 0, _max_combine)
+    pf = tl.where(last & s_local, (rank + BLOCK_M) // BLOCK_M * BLOCK_M, 0)   # padded count of rank + 1 rows
+    off = tl.cumsum(pf, axis=0) - pf
+    total = tl.sum(pf, axis=0)
+    nvb = total // BLOCK_M
+    ecol = tl.arange(0, E_PAD)
+    is_e = ecol < num_local
+    one = tl.arange(0, 1)
+    rows = tl.arange(0, ROWS_PAD)
+    in_rows = rows < max_blocks * BLOCK_M
+    b = tl.arange(0, MB_PAD)
+    tl.store(expert_counts_ptr + ecol, tl.zeros([E_PAD], tl.int32), mask=is_e)
+    tl.store(expert_offsets_ptr + num_local + one, tl.zeros([1], tl.int32) + total)
+    tl.store(num_blocks_ptr + one, tl.zeros([1], tl.int32) + nvb)
+    tl.store(sorted_ids_ptr + rows, tl.zeros([ROWS_PAD], tl.int32) + R, mask=in_rows)
+    tl.store(row_expert_ptr + rows, tl.full([ROWS_PAD], -1, tl.int32), mask=in_rows)
+    if HAS_WEIGHTS:
+        tl.store(row_weight_ptr + rows, tl.zeros([ROWS_PAD], tl.float32), mask=in_rows)
+    tl.store(block_expert_ptr + b, tl.full([MB_PAD], -1, tl.int32), mask=(b < max_blocks) & (b >= nvb))
+    # the barrier orders the fills above (any thread) before the writes below
+    tl.debug_barrier()
+    # `off` at any position of a segment: the padded counts of the segments before it (its own
+    # last position's pf is subtracted there; its other positions have pf 0)
+    dest = off + rank
+    tl.store(sorted_ids_ptr + dest, si, mask=s_local)
+    tl.store(row_expert_ptr + dest, sk, mask=s_local)
+    if HAS_WEIGHTS:
+        tl.store(row_weight_ptr + dest, tl.load(topk_w_ptr + si, mask=s_local, other=0.0), mask=s_local)
+    tl.store(route_rows_ptr + si, tl.where(s_local, dest, -1), mask=si < R)
+    tl.store(block_expert_ptr + dest // BLOCK_M, sk, mask=s_local)
+    tl.store(expert_counts_ptr + sk, rank + 1, mask=last & s_local)
+    tl.debug_barrier()
+    cnt = tl.load(expert_counts_ptr + ecol, mask=is_e, other=0, volatile=True)
+    padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    tl.store(expert_offsets_ptr + ecol, tl.cumsum(padded, axis=0) - padded, mask=is_e)
+
+
+@triton.jit
 def _align_small_kernel(ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, expert_offsets_ptr,
                         num_blocks_ptr, sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_weight_ptr,
                         R, first_expert, num_local, max_blocks,
                         HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                         E_PAD: tl.constexpr, ROWS_PAD: tl.constexpr, MB_PAD: tl.constexpr,
-                        PAIRWISE: tl.constexpr = True, PDL: tl.constexpr = 0):
+                        PAIRWISE: tl.constexpr = True, PDL: tl.constexpr = 0, SORTED: tl.constexpr = False):
     pdl_enter(PDL)
-    _align_small_body(ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, expert_offsets_ptr,
-                      num_blocks_ptr, sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_weight_ptr,
-                      R, first_expert, num_local, max_blocks,
-                      HAS_WEIGHTS, BLOCK, BLOCK_M, E_PAD, ROWS_PAD, MB_PAD, PAIRWISE)
+    if SORTED:
+        _align_sorted_body(ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, expert_offsets_ptr,
+                           num_blocks_ptr, sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_weight_ptr,
+                           R, first_expert, num_local, max_blocks,
+                           HAS_WEIGHTS, BLOCK, BLOCK_M, E_PAD, ROWS_PAD, MB_PAD)
+    else:  # NOTE: if / else, not an early return (Triton compiles the code after a return too)
+        _align_small_body(ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, expert_offsets_ptr,
+                          num_blocks_ptr, sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_weight_ptr,
+                          R, first_expert, num_local, max_blocks,
+                          HAS_WEIGHTS, BLOCK, BLOCK_M, E_PAD, ROWS_PAD, MB_PAD, PAIRWISE)
 
 
 @triton.jit

@@ -70,6 +70,13 @@ SMALL_MAX_ROUTES = 64
 # 203.6 at 8 warps), so the 64-route limit stays.
 SMALL_NUM_WARPS = 4
 SMALL_NUM_WARPS_64 = 8
+# The one-program kernel in its sorted form (`_align_sorted_body`: one sort of BLOCK packed
+# keys and [BLOCK]-vector scans, no [routes x routes] tile), taken for R <= SORTED_MAX_ROUTES
+# when SMALL_SORTED is on. Built in session 27 after the H200 calls and NOT YET TIMED, so off;
+# same outputs (interpreter). A/B: gpu_profile_layer.py --ab dsv4_moe.kernels.moe_align.SMALL_SORTED=0,1
+# (Pro-TP8 T = 11-21 runs the three launches, ~7.5 us of the chain at T = 16).
+SMALL_SORTED = False
+SORTED_MAX_ROUTES = 256
 # NOTE (session 27, H200, not kept): the three launches in one for 65-1024 routes (each program
 # counting its chunk, the last to arrive - split_k_arrive - scanning and scattering everything)
 # was bitwise the three launches but slower: alone 7.8-8.4 us at E 256 and 10.3-11.2 at E 384
@@ -147,10 +154,12 @@ def moe_align(topk_ids: torch.Tensor, num_local: int, first_expert: int, block_m
     """Group the (token, slot) routes of `topk_ids` by local expert; see the module doc.
 
     impl: "auto" (one launch for decode-sized inputs, R <= SMALL_MAX_ROUTES routes and max_rows <=
-    SMALL_MAX_ROWS; else three), "small" (force the one-launch kernel; raises past those
-    limits) or "chunked" (force the three launches). Both give the same outputs."""
-    if impl not in ("auto", "small", "chunked"):
-        raise ValueError(f"impl={impl!r}: expected 'auto', 'small' or 'chunked'")
+    SMALL_MAX_ROWS, or R <= SORTED_MAX_ROUTES in the sorted form when SMALL_SORTED is on; else
+    three), "small" (force the one-launch kernel; raises past those limits), "sorted" (force
+    its sorted form; raises past R <= SORTED_MAX_ROUTES) or "chunked" (force the three
+    launches). All give the same outputs."""
+    if impl not in ("auto", "small", "sorted", "chunked"):
+        raise ValueError(f"impl={impl!r}: expected 'auto', 'small', 'sorted' or 'chunked'")
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 \
             or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids: expected a [T, k] int32/int64 tensor, got "
@@ -182,10 +191,15 @@ def moe_align(topk_ids: torch.Tensor, num_local: int, first_expert: int, block_m
     c = triton.cdiv(r, _BLOCK)
     e_pad = max(triton.next_power_of_2(num_local), _E_TILE)
     small_ok = r <= SMALL_MAX_ROUTES and max_rows <= SMALL_MAX_ROWS
+    sorted_ok = r <= SORTED_MAX_ROUTES and max_rows <= SMALL_MAX_ROWS
     if impl == "small" and not small_ok:
         raise ValueError(f"impl='small': needs R <= {SMALL_MAX_ROUTES} routes and max_rows <= {SMALL_MAX_ROWS}, "
                          f"got R={r}, max_rows={max_rows}")
-    if impl == "small" or (impl == "auto" and small_ok):
+    if impl == "sorted" and not sorted_ok:
+        raise ValueError(f"impl='sorted': needs R <= {SORTED_MAX_ROUTES} routes and max_rows <= {SMALL_MAX_ROWS}, "
+                         f"got R={r}, max_rows={max_rows}")
+    use_sorted = impl == "sorted" or (impl == "auto" and SMALL_SORTED and sorted_ok)
+    if use_sorted or impl == "small" or (impl == "auto" and small_ok):
         # NOTE: one launch instead of three at decode (count 2.5 + scan 1.2 + scatter 2.3 us
         # at Flash T=1 in the session-4 H200 profile)
         tw = None if topk_weights is None else topk_weights.contiguous().view(-1)
@@ -202,6 +216,7 @@ def moe_align(topk_ids: torch.Tensor, num_local: int, first_expert: int, block_m
                                   ROWS_PAD=triton.next_power_of_2(max_rows),
                                   MB_PAD=triton.next_power_of_2(max_blocks),
                                   PAIRWISE=SMALL_PAIRWISE and (e_pad > 256 or r >= SMALL_PAIRWISE_MIN_ROUTES),
+                                  SORTED=use_sorted,
                                   num_warps=SMALL_NUM_WARPS if block < 64 else SMALL_NUM_WARPS_64, **pdl)
         return out
     chunk_counts = torch.empty((c, e_pad), **i32)

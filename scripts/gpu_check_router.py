@@ -1,7 +1,7 @@
 """H200 check + probe of the decode front end: the router (kernels/router.py: in-kernel
 scores, the logits GEMV) and moe_align's one-launch decode kernel.
 
-    OUT=./out python3 scripts/gpu_check_router.py [--parts scores,ids,align,time,topk,align_warps] [--budget-s 200]
+    OUT=./out python3 scripts/gpu_check_router.py [--parts scores,ids,align,time,topk,align_warps,align_sorted] [--budget-s 200]
 
 scores  every fp32 bit pattern (2^32, in chunks): `_sqrt_softplus` (libdevice log1p/exp,
         IEEE sqrt) against torch.sqrt(F.softplus(x)) on the same GPU; must be bitwise
@@ -23,6 +23,8 @@ topk    (not in the default parts) the top-k kernel's launch switches (router.TO
         TOPK_WARPS): route_topk bitwise the default and its graph time per variant.
 align_warps (not in the default parts; session 27) the one-launch alignment at 4 / 8 / 16 warps
         with a 128-route limit, T = 4-21: bitwise the three launches, and graph times.
+align_sorted (not in the default parts; session 27) the one-launch alignment's sorted form,
+        T = 1-42: bitwise the three launches, and graph times beside them and the default form.
 Writes $OUT/router.json and prints one line per row.
 """
 from __future__ import annotations
@@ -325,6 +327,30 @@ def align_warps(tokens=(4, 8, 10, 11, 12, 16, 20, 21)):
         ma.SMALL_MAX_ROUTES, ma.SMALL_NUM_WARPS, ma.SMALL_NUM_WARPS_64 = saved
 
 
+def align_sorted(tokens=(1, 2, 4, 8, 10, 11, 12, 16, 21, 32, 42)):
+    """The one-program alignment's sorted form (session 27, untimed when built): bitwise the
+    three launches at Flash / Pro-TP8 shapes, and graph-timed against them and, to 64 routes,
+    against the default one-program form."""
+    import dsv4_moe.kernels.moe_align as ma
+    from dsv4_moe.kernels.moe_align import moe_align
+    fields = ("sorted_route_ids", "block_expert", "num_valid_blocks", "expert_offsets", "expert_counts",
+              "route_rows", "row_expert", "row_weight")
+    g = torch.Generator().manual_seed(7)
+    for e in (256, 384):
+        for t in tokens:
+            ids = torch.stack([torch.randperm(e, generator=g)[:6] for _ in range(t)]).sort(1).values.int().to(DEV)
+            tw = torch.rand(t, 6, generator=g).to(DEV)
+            b = moe_align(ids, e, 0, 16, tw, impl="chunked")
+            a = moe_align(ids, e, 0, 16, tw, impl="sorted")
+            row = dict(check="align_sorted", E=e, T=t, routes=6 * t,
+                       ok=all(torch.equal(getattr(a, f), getattr(b, f)) for f in fields),
+                       sorted_us=graph_us(lambda: moe_align(ids, e, 0, 16, tw, impl="sorted")),
+                       chunked_us=graph_us(lambda: moe_align(ids, e, 0, 16, tw, impl="chunked")))
+            if 6 * t <= ma.SMALL_MAX_ROUTES:
+                row["small_us"] = graph_us(lambda: moe_align(ids, e, 0, 16, tw, impl="small"))
+            emit(**row)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="scores,ids,align,time")
@@ -345,6 +371,8 @@ def main():
         check_align()
     if "align_warps" in parts:
         align_warps()
+    if "align_sorted" in parts:
+        align_sorted()
     if "time" in parts:
         time_router(args.budget_s, tuple(int(v) for v in args.tokens.split(",")))
     if "topk" in parts:

@@ -147,3 +147,51 @@ def test_bad_args(bad):
     with pytest.raises(ValueError, match="topk_ids"):
         moe_align(torch.zeros(2, 2), 8, 0, 16)
 
+
+
+@pytest.mark.parametrize("t,k,e,first,num_local,bm,weights", [
+    (1, 6, 256, 0, 256, 16, True),      # Flash decode
+    (7, 6, 384, 0, 384, 16, True),      # Pro-TP8, a 64-route tile
+    (16, 6, 384, 0, 384, 16, True),     # Pro-TP8 T = 16: 96 routes (three launches by default)
+    (21, 6, 256, 0, 256, 16, False),    # 126 routes, no weights
+    (40, 6, 384, 96, 48, 16, True),     # an EP rank: 240 routes, most not local
+    (9, 6, 256, 0, 256, 64, True),      # 64-row blocks
+    (30, 4, 16, 0, 16, 1, True),        # block_m 1, every expert hit several times
+    (3, 2, 8, 8, 8, 16, True)])         # no local route at all
+def test_sorted_form_equals_chunked(t, k, e, first, num_local, bm, weights):
+    """The one-program kernel's sorted form (a sort of packed (expert, route) keys and vector
+    scans) gives the three launches' outputs bit for bit and passes the invariants."""
+    ids = _ids(t, k, e, t + e + bm)
+    tw = torch.rand(t, k) if weights else None
+    a = _check(ids, num_local, first, bm, tw, impl="sorted")
+    b = _check(ids, num_local, first, bm, tw, impl="chunked")
+    for f in FIELDS:
+        x, y = getattr(a, f), getattr(b, f)
+        assert (x is None and y is None) or torch.equal(x, y), f
+
+
+def test_sorted_form_limits_and_switch(monkeypatch):
+    import dsv4_moe.kernels._moe_align as body
+    import dsv4_moe.kernels.moe_align as ma
+
+    with pytest.raises(ValueError, match="impl='sorted': needs R <= 256 routes"):
+        moe_align(_ids(43, 6, 64, 0), 64, 0, 16, impl="sorted")      # 258 routes
+    seen = []
+    kern = body._align_small_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw["SORTED"])
+                return kern[grid](*args, **kw)
+            return launch
+    monkeypatch.setattr(body, "_align_small_kernel", Spy())
+    ids = _ids(16, 6, 64, 2)                 # 96 routes: past the pairwise limit
+    want = moe_align(ids, 64, 0, 16, impl="chunked")
+    monkeypatch.setattr(ma, "SMALL_SORTED", True)
+    got = moe_align(ids, 64, 0, 16)
+    assert seen == [True] and torch.equal(got.sorted_route_ids, want.sorted_route_ids)
+    moe_align(_ids(2, 6, 64, 2), 64, 0, 16)   # small too: the sorted form when switched on
+    monkeypatch.setattr(ma, "SMALL_SORTED", False)
+    moe_align(_ids(2, 6, 64, 2), 64, 0, 16)
+    assert seen == [True, True, False]
