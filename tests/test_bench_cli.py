@@ -409,7 +409,8 @@ def test_timeline_forward_table():
     """scripts/gpu_timeline_layer.py's cut of a graph replay's kernel events into forwards:
     medians per (kernel, occurrence) relative to each forward's first start, ordered by end;
     the period inside a replay only (the gap between replays is not a forward's cost); a
-    count that does not divide into forwards is refused."""
+    kernel whose count does not divide into forwards is set aside and named, and nothing left
+    is refused."""
     import os
     import sys
 
@@ -426,11 +427,16 @@ def test_timeline_forward_table():
                     ("_finalize_kernel", t0 + 90_500, t0 + 92_000 + f * 1_000)]
     (table, summary), why = forward_table(list(reversed(evs)), inner=3, replays=2)
     assert why == ""
-    assert summary == dict(kernels_per_forward=4, span_us=93.0, period_us=100.0)
+    assert summary == dict(kernels_per_forward=4, span_us=93.0, period_us=100.0, set_aside={})
     names = [(k[0], k[1]) for k, _ in table]
     assert names == [("_router_logits_kernel", 0), ("_mxfp4_grouped_gemm_swap_kernel", 0),
                      ("_mxfp4_grouped_gemm_swap_kernel", 1), ("_finalize_kernel", 0)]
     assert table[1][1] == dict(start=4.0, end=60.0, dur=56.0)
     assert table[3][1]["end"] == 93.0
-    res, why = forward_table(evs[:-1], inner=3, replays=2)
-    assert res is None and "23 kernel events for 2 x 3 forwards" in why
+    once = [("nvjet_memset_like_kernel", rep * 10_000_000 + 50_000, rep * 10_000_000 + 51_000) for rep in range(2)]
+    (t2, s2), why = forward_table(evs[:-1] + once, inner=3, replays=2)   # a finalize lost, one kernel per replay
+    assert why == "" and s2["kernels_per_forward"] == 3
+    assert s2["set_aside"] == {"_finalize_kernel": 5, "nvjet_memset_like_kernel": 2}
+    assert [k for k, _ in t2] == [k for k, _ in table][:3] and t2[1][1] == table[1][1]
+    res, why = forward_table(once, inner=3, replays=2)
+    assert res is None and "0 kernel events for 2 x 3 forwards" in why and "nvjet_memset_like_kernel" in why
