@@ -28,6 +28,7 @@ __all__ = [
     "DispatchContext", "Path", "STAGES", "select", "plan", "explain", "force_paths", "clear_plan_cache",
     "has_cuda", "has_fp8_mma", "has_pdl", "has_triton", "is_gfx950",
     "PDL_MODE", "PDL_MODES", "pdl_mode", "pdl_scope", "pdl_policy", "shared_overlap_policy", "shared_fork_policy",
+    "side_stream_scope", "on_side_stream",
 ]
 
 
@@ -103,6 +104,26 @@ def pdl_scope(mode: str):
         yield
     finally:
         _PDL_SCOPE.reset(token)
+
+
+_SIDE_STREAM: contextvars.ContextVar = contextvars.ContextVar("dsv4_moe_side_stream", default=False)
+
+
+@contextlib.contextmanager
+def side_stream_scope():
+    """Launches inside run beside the routed experts (the layer's shared expert on its side
+    stream): kernels that size their grids to fill the GPU may take the smaller grids of
+    their `OVERLAPPED_*` settings (kernels/fp8_block_gemm.py)."""
+    token = _SIDE_STREAM.set(True)
+    try:
+        yield
+    finally:
+        _SIDE_STREAM.reset(token)
+
+
+def on_side_stream() -> bool:
+    """True inside side_stream_scope()."""
+    return _SIDE_STREAM.get()
 
 
 @functools.lru_cache(maxsize=4096)  # pure; asked on every forward

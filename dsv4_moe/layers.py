@@ -280,7 +280,7 @@ class DeepseekV4MoE(_NativeBuffers):
         else:  # fork: the shared expert on the side stream once q, sa exist
             main = torch.cuda.current_stream(x.device)
             side.wait_stream(main)
-            with torch.cuda.stream(side):
+            with torch.cuda.stream(side), dispatch.side_stream_scope():
                 shared = self.shared_experts.forward_quantised(q, sa, ctx)
         swiglu = dispatch.select("swiglu_quant", ctx).name
         y = routed.impl(q, sa, topk_w, topk_ids, self.routed, c.swiglu_limit, swiglu,

@@ -272,3 +272,43 @@ def test_scaled_mm_opt_in_knob(monkeypatch):
     monkeypatch.setenv("DSV4_MOE_SCALED_MM", "always")
     with pytest.raises(ValueError, match="DSV4_MOE_SCALED_MM='always'"):
         stages.scaled_mm_mode()
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 256, 2048), (4, 2048, 2048), (2, 2048, 1024)])
+def test_overlapped_grids_same_bits(monkeypatch, m, n, k):
+    """fp8_block_gemm_nt(overlapped=True) (the shared expert beside the routed experts) takes
+    choose_config's OVERLAPPED_* grids: the default settings are the in-line choices; a smaller
+    split-K target or an unsplit GEMV changes the grid, never the bits."""
+    import dsv4_moe.kernels.fp8_block_gemm as fbg
+
+    assert choose_config(m, n, k, overlapped=True) == choose_config(m, n, k)
+    q, sa, w, sw = make_case(m, n, k, seed=m + k)
+    args = (q.to(DEV), sa.to(DEV), w.to(DEV), sw.to(DEV))
+    want = fp8_block_gemm_nt(*args).cpu()
+    assert choose_config(m, n, k)["SPLIT_K"] > 1  # the in-line grid splits K here
+    monkeypatch.setattr(fbg, "OVERLAPPED_SPLIT_K_PROGRAMS_PER_SM", 0)
+    monkeypatch.setattr(fbg, "OVERLAPPED_GEMV_SPLIT", False)
+    cfg = choose_config(m, n, k, overlapped=True)
+    assert cfg["SPLIT_K"] == 1 and choose_config(m, n, k)["SPLIT_K"] > 1
+    got = fp8_block_gemm_nt(*args, overlapped=True).cpu()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    if m > 1:
+        monkeypatch.setattr(fbg, "OVERLAPPED_SPLIT_K_PROGRAMS_PER_SM", 1)
+        assert 1 < choose_config(m, n, k, overlapped=True)["SPLIT_K"] < choose_config(m, n, k)["SPLIT_K"]
+        got = fp8_block_gemm_nt(*args, overlapped=True).cpu()
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_side_stream_scope_reaches_the_shared_gemm(monkeypatch):
+    """The layer's side-stream scope (dispatch.side_stream_scope) is what the fp8_gemm stage
+    passes on as `overlapped`."""
+    from dsv4_moe import dispatch, stages
+    import dsv4_moe.kernels.fp8_block_gemm as fbg
+
+    seen = []
+    monkeypatch.setattr(fbg, "fp8_block_gemm_nt", lambda *a, **kw: seen.append(kw["overlapped"]))
+    stages.fp8_gemm_triton(None, None, None, None)
+    with dispatch.side_stream_scope():
+        assert dispatch.on_side_stream()
+        stages.fp8_gemm_triton(None, None, None, None)
+    assert not dispatch.on_side_stream() and seen == [False, True]
