@@ -159,6 +159,39 @@ def _align_scatter_blocks(sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_
 
 
 @triton.jit
+def _align_fill(expert_offsets_ptr, num_blocks_ptr, sorted_ids_ptr, row_expert_ptr, row_weight_ptr,
+                block_expert_ptr, num_local, total, nvb, R, max_blocks, HAS_WEIGHTS: tl.constexpr,
+                BLOCK_M: tl.constexpr, ROWS_PAD: tl.constexpr, MB_PAD: tl.constexpr):
+    """The one-program forms' first stores: the used rows and the valid block count, every row
+    the sentinel (rows holding a route are overwritten after the caller's barrier) and every
+    block past the valid ones -1."""
+    one = tl.arange(0, 1)
+    rows = tl.arange(0, ROWS_PAD)
+    in_rows = rows < max_blocks * BLOCK_M
+    b = tl.arange(0, MB_PAD)
+    tl.store(expert_offsets_ptr + num_local + one, tl.zeros([1], tl.int32) + total)
+    tl.store(num_blocks_ptr + one, tl.zeros([1], tl.int32) + nvb)
+    tl.store(sorted_ids_ptr + rows, tl.zeros([ROWS_PAD], tl.int32) + R, mask=in_rows)
+    tl.store(row_expert_ptr + rows, tl.full([ROWS_PAD], -1, tl.int32), mask=in_rows)
+    if HAS_WEIGHTS:
+        tl.store(row_weight_ptr + rows, tl.zeros([ROWS_PAD], tl.float32), mask=in_rows)
+    tl.store(block_expert_ptr + b, tl.full([MB_PAD], -1, tl.int32), mask=(b < max_blocks) & (b >= nvb))
+
+
+@triton.jit
+def _align_place(sorted_ids_ptr, row_expert_ptr, row_weight_ptr, route_rows_ptr, block_expert_ptr, topk_w_ptr,
+                 dest, route, key, local, route_ok, HAS_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Each local route into its row `dest` (route id, expert, weight), its row into route_rows
+    (-1 if not local) and its expert into its M-block."""
+    tl.store(sorted_ids_ptr + dest, route, mask=local)
+    tl.store(row_expert_ptr + dest, key, mask=local)
+    if HAS_WEIGHTS:
+        tl.store(row_weight_ptr + dest, tl.load(topk_w_ptr + route, mask=local, other=0.0), mask=local)
+    tl.store(route_rows_ptr + route, tl.where(local, dest, -1), mask=route_ok)
+    tl.store(block_expert_ptr + dest // BLOCK_M, key, mask=local)
+
+
+@triton.jit
 def _max_combine(a, b):
     return tl.maximum(a, b)
 
@@ -196,29 +229,15 @@ def _align_sorted_body(ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, e
     nvb = total // BLOCK_M
     ecol = tl.arange(0, E_PAD)
     is_e = ecol < num_local
-    one = tl.arange(0, 1)
-    rows = tl.arange(0, ROWS_PAD)
-    in_rows = rows < max_blocks * BLOCK_M
-    b = tl.arange(0, MB_PAD)
     tl.store(expert_counts_ptr + ecol, tl.zeros([E_PAD], tl.int32), mask=is_e)
-    tl.store(expert_offsets_ptr + num_local + one, tl.zeros([1], tl.int32) + total)
-    tl.store(num_blocks_ptr + one, tl.zeros([1], tl.int32) + nvb)
-    tl.store(sorted_ids_ptr + rows, tl.zeros([ROWS_PAD], tl.int32) + R, mask=in_rows)
-    tl.store(row_expert_ptr + rows, tl.full([ROWS_PAD], -1, tl.int32), mask=in_rows)
-    if HAS_WEIGHTS:
-        tl.store(row_weight_ptr + rows, tl.zeros([ROWS_PAD], tl.float32), mask=in_rows)
-    tl.store(block_expert_ptr + b, tl.full([MB_PAD], -1, tl.int32), mask=(b < max_blocks) & (b >= nvb))
+    _align_fill(expert_offsets_ptr, num_blocks_ptr, sorted_ids_ptr, row_expert_ptr, row_weight_ptr,
+                block_expert_ptr, num_local, total, nvb, R, max_blocks, HAS_WEIGHTS, BLOCK_M, ROWS_PAD, MB_PAD)
     # the barrier orders the fills above (any thread) before the writes below
     tl.debug_barrier()
     # `off` at any position of a segment: the padded counts of the segments before it (its own
     # last position's pf is subtracted there; its other positions have pf 0)
-    dest = off + rank
-    tl.store(sorted_ids_ptr + dest, si, mask=s_local)
-    tl.store(row_expert_ptr + dest, sk, mask=s_local)
-    if HAS_WEIGHTS:
-        tl.store(row_weight_ptr + dest, tl.load(topk_w_ptr + si, mask=s_local, other=0.0), mask=s_local)
-    tl.store(route_rows_ptr + si, tl.where(s_local, dest, -1), mask=si < R)
-    tl.store(block_expert_ptr + dest // BLOCK_M, sk, mask=s_local)
+    _align_place(sorted_ids_ptr, row_expert_ptr, row_weight_ptr, route_rows_ptr, block_expert_ptr, topk_w_ptr,
+                 off + rank, si, sk, s_local, si < R, HAS_WEIGHTS, BLOCK_M)
     tl.store(expert_counts_ptr + sk, rank + 1, mask=last & s_local)
     tl.debug_barrier()
     cnt = tl.load(expert_counts_ptr + ecol, mask=is_e, other=0, volatile=True)
@@ -295,6 +314,9 @@ def _align_small_body(ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, ex
         # re-read from global memory after the barrier (session 7: one L2 round trip fewer on
         # the decode critical path)
         off = tl.sum(tl.where(key[:, None] == ecol[None, :], offs[None, :], 0), axis=1)
+    # NOTE: the stores below are what _align_fill / _align_place do for the sorted form, kept
+    # inline here: through those helpers this body compiles to other (equivalent) SASS than the
+    # one checked on the H200 (session 27); fold them once the sorted form has been timed
     tl.store(expert_offsets_ptr + num_local + one, tl.zeros([1], tl.int32) + total)
     tl.store(num_blocks_ptr + one, tl.zeros([1], tl.int32) + nvb)
     # every row: the sentinel (rows holding a route are overwritten below)
