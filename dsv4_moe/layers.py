@@ -125,13 +125,6 @@ SIDE_STREAM_PRIORITY = 0
 # program, on the critical path) runs beside them: "auto" (dispatch.shared_fork_policy),
 # "on" or "off". A/B switch.
 FORK_AFTER_ALIGN = "auto"
-# CUDA priority of the routed chain while the shared expert runs beside it (overlapped forwards
-# only): 0 keeps it on the caller's stream; a negative value (higher priority, down to CUDA's
-# greatest, -5 on the H200) runs it on a layer-owned stream of that priority, joined back to the
-# caller's stream before the finalize. torch instantiates CUDA graphs with per-node priorities,
-# so a graph keeps the split. The side stream is at 0, the lowest, so this is the only way to let
-# the routed kernels' CTAs go first when both streams have work queued. A/B switch.
-ROUTED_STREAM_PRIORITY = 0
 
 
 class DeepseekV4MoE(_NativeBuffers):
@@ -290,17 +283,8 @@ class DeepseekV4MoE(_NativeBuffers):
             with torch.cuda.stream(side), dispatch.side_stream_scope():
                 shared = self.shared_experts.forward_quantised(q, sa, ctx)
         swiglu = dispatch.select("swiglu_quant", ctx).name
-        first = self._routed_stream(x.device) if side is not None else None
-        if first is None:
-            y = routed.impl(q, sa, topk_w, topk_ids, self.routed, c.swiglu_limit, swiglu,
-                            q_pairs=q_pairs, align=align)
-        else:  # the routed chain on a higher-priority stream of its own
-            first.wait_stream(main)
-            with torch.cuda.stream(first):
-                y = routed.impl(q, sa, topk_w, topk_ids, self.routed, c.swiglu_limit, swiglu,
-                                q_pairs=q_pairs, align=align)
-            main.wait_stream(first)
-            y.record_stream(main)  # allocated on the routed stream, freed after main reads it
+        y = routed.impl(q, sa, topk_w, topk_ids, self.routed, c.swiglu_limit, swiglu,
+                        q_pairs=q_pairs, align=align)
         if side is not None:  # join before the first reader of `shared`
             main.wait_stream(side)
             shared.record_stream(main)  # allocated on the side stream, freed after main reads it
@@ -351,11 +335,7 @@ class DeepseekV4MoE(_NativeBuffers):
         late = self._fork_after_align(num_tokens)
         how = (dispatch.shared_fork_policy(num_tokens, self.config.local_intermediate(self.tp_size))[1]
                if FORK_AFTER_ALIGN == "auto" else f"layers.FORK_AFTER_ALIGN = {FORK_AFTER_ALIGN!r}")
-        line = f"{why}; forked {'after the routed alignment' if late else 'right after the front'} ({how})"
-        if ROUTED_STREAM_PRIORITY != 0:
-            line += (f"; the routed chain on a stream of priority {ROUTED_STREAM_PRIORITY} "
-                     "(layers.ROUTED_STREAM_PRIORITY)")
-        return line
+        return f"{why}; forked {'after the routed alignment' if late else 'right after the front'} ({how})"
 
     def _fork_after_align(self, num_tokens: int) -> bool:
         if FORK_AFTER_ALIGN not in ("auto", "on", "off"):
@@ -372,20 +352,6 @@ class DeepseekV4MoE(_NativeBuffers):
         key = (idx, SIDE_STREAM_PRIORITY)
         if key not in self._side_streams:
             self._side_streams[key] = torch.cuda.Stream(device=device, priority=SIDE_STREAM_PRIORITY)
-        return self._side_streams[key]
-
-    def _routed_stream(self, device: torch.device):
-        """The layer's stream for the routed chain of an overlapped forward (None: the caller's)."""
-        prio = ROUTED_STREAM_PRIORITY
-        if isinstance(prio, bool) or not isinstance(prio, int) or prio > 0:
-            raise ValueError(f"layers.ROUTED_STREAM_PRIORITY={prio!r}: expected 0 (the caller's stream) "
-                             "or a negative int (a stream of that higher CUDA priority)")
-        if prio == 0:
-            return None
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        key = (idx, "routed", prio)
-        if key not in self._side_streams:
-            self._side_streams[key] = torch.cuda.Stream(device=device, priority=prio)
         return self._side_streams[key]
 
     def explain(self, num_tokens: int) -> str:

@@ -277,26 +277,6 @@ def test_fork_after_align_switch(monkeypatch):
     assert "forked right after the front" in layer._shared_line(2)
 
 
-def test_routed_stream_priority_switch(monkeypatch):
-    """layers.ROUTED_STREAM_PRIORITY: 0 keeps the routed chain on the caller's stream, anything but
-    0 or a negative int is a ValueError naming the value; explain() names a routed stream."""
-    from dsv4_moe import layers
-
-    cfg = MoEConfig(hidden_size=256, moe_intermediate_size=384, n_routed_experts=8, num_experts_per_tok=4,
-                    num_hidden_layers=2, num_hash_layers=0, vocab_size=64)
-    layer = DeepseekV4MoE(cfg, random_layer_weights(cfg, layer_idx=1, seed=1))
-    assert layer._routed_stream(torch.device("cpu")) is None
-    for bad in (1, True, -1.0, "high"):
-        monkeypatch.setattr(layers, "ROUTED_STREAM_PRIORITY", bad)
-        with pytest.raises(ValueError, match=f"ROUTED_STREAM_PRIORITY={bad!r}: expected 0"):
-            layer._routed_stream(torch.device("cpu"))
-    monkeypatch.setattr(layer, "shared_overlap", lambda t: (True, "on a side stream"))  # as on CUDA
-    monkeypatch.setattr(layers, "ROUTED_STREAM_PRIORITY", 0)
-    assert "routed chain" not in layer._shared_line(4)
-    monkeypatch.setattr(layers, "ROUTED_STREAM_PRIORITY", -2)
-    assert layer._shared_line(4).endswith("the routed chain on a stream of priority -2 (layers.ROUTED_STREAM_PRIORITY)")
-
-
 def test_front_dispatch_reasons(monkeypatch):
     """The one-launch decode front (kernels/route_front.py) measured level in the layer bench,
     so the separate launches are the default and the fused front runs only when forced, and
