@@ -119,6 +119,11 @@ class DeepseekV4MLP(_NativeBuffers):
 # 1088.4 / 1090.3 / 1087.2, T=256 1507.1 / 1516.1 / 1515.0 (in line: 1391.0); Pro-TP8 T=256
 # 767.9 / 823.1 / 823.7. A higher priority does not remove the Flash slowdown and costs
 # Pro-TP8 7 %, so 0 stays.
+# NOTE (session 28, H200, gpu_profile_layer.py --ab, 12 forwards per graph, 3 captures, us,
+# docs/bench/2026-11-30/session28/profile_layer_rprio_1e7bea6.txt): the other way round - the
+# routed chain on a layer-owned stream of priority 0 (the caller's) / -1 / -5 beside this one -
+# gained nothing: Pro-TP8 T=1 32.7 / 33.3 / 33.3, T=2 46.0 / 46.8 / 46.8, T=16 151.3 / 152.1 /
+# 151.9; Flash T=1 56.0 / 56.8 / 56.8, T=16 337.8 / 339.1 / 341.7 (T=4, 8 level). Removed.
 SIDE_STREAM_PRIORITY = 0
 # Fork the shared expert's side stream only after the routed alignment is launched (triton
 # routed path), so the shared GEMM's CTAs do not fill the SMs while the alignment (one
