@@ -28,7 +28,7 @@ __all__ = [
     "DispatchContext", "Path", "STAGES", "select", "plan", "explain", "force_paths", "clear_plan_cache",
     "has_cuda", "has_fp8_mma", "has_pdl", "has_triton", "is_gfx950",
     "PDL_MODE", "PDL_MODES", "pdl_mode", "pdl_scope", "pdl_policy", "shared_overlap_policy", "shared_fork_policy",
-    "side_stream_scope", "on_side_stream",
+    "side_stream_scope", "on_side_stream", "side_stream_split_k", "shared_split_policy",
 ]
 
 
@@ -106,15 +106,19 @@ def pdl_scope(mode: str):
         _PDL_SCOPE.reset(token)
 
 
-_SIDE_STREAM: contextvars.ContextVar = contextvars.ContextVar("dsv4_moe_side_stream", default=False)
+# (inside side_stream_scope, the split-K target it was given or None), or None outside
+_SIDE_STREAM: contextvars.ContextVar = contextvars.ContextVar("dsv4_moe_side_stream", default=None)
+# Override of shared_split_policy for every overlapped forward: -1 follows the rule; >= 0 is the
+# split-K target (programs per SM, 0: no split) of the shared expert's decode GEMMs. A/B switch.
+SHARED_SPLIT_K_PROGRAMS_PER_SM = -1
 
 
 @contextlib.contextmanager
-def side_stream_scope():
+def side_stream_scope(split_k_programs_per_sm: Optional[int] = None):
     """Launches inside run beside the routed experts (the layer's shared expert on its side
-    stream): kernels that size their grids to fill the GPU may take the smaller grids of
-    their `OVERLAPPED_*` settings (kernels/fp8_block_gemm.py)."""
-    token = _SIDE_STREAM.set(True)
+    stream): the FP8 GEMMs take the split-K target given here (None: their in-line grids;
+    see shared_split_policy) and their `OVERLAPPED_*` settings (kernels/fp8_block_gemm.py)."""
+    token = _SIDE_STREAM.set((split_k_programs_per_sm,))
     try:
         yield
     finally:
@@ -123,7 +127,35 @@ def side_stream_scope():
 
 def on_side_stream() -> bool:
     """True inside side_stream_scope()."""
-    return _SIDE_STREAM.get()
+    return _SIDE_STREAM.get() is not None
+
+
+def side_stream_split_k() -> Optional[int]:
+    """The split-K target of the enclosing side_stream_scope (None: outside one, or none given)."""
+    scope = _SIDE_STREAM.get()
+    return None if scope is None else scope[0]
+
+
+def shared_split_policy(num_tokens: int, intermediate: int) -> tuple[Optional[int], str]:
+    """(split-K target, reason) of the shared expert's FP8 GEMMs on the side stream, in programs
+    per SM (None: the in-line grid, ~4 per SM; 0: no split, N / 64 programs)."""
+    # NOTE (session 28, H200, gpu_profile_layer.py --ab ...OVERLAPPED_SPLIT_K_PROGRAMS_PER_SM (the
+    # switch's first form), 12 forwards per graph, 3 captures, us, ~4 per SM / no split;
+    # docs/bench/2026-11-30/session28/): Flash (I = 2048) T=3 118.8 / 106.8, T=4 141.2 / 127.2
+    # (sorted alignment) and 131.9 / 128.6 (pairwise), T=5 141.5 / 141.4, T=6 161.8 / 161.9, T=8
+    # 207.4 / 207.5, T=16 352.3 / 352.7; Pro-TP8 (I = 384) T=2 46.2 / 50.2, T=4 67.5 / 68.8, T=8
+    # and 16 level. The Flash shared GEMMs at T = 3-4 on 64 programs each instead of ~528
+    # leave the SMs to the routed front's one-program kernels.
+    v = SHARED_SPLIT_K_PROGRAMS_PER_SM
+    if isinstance(v, bool) or not isinstance(v, int) or v < -1:
+        raise ValueError(f"dispatch.SHARED_SPLIT_K_PROGRAMS_PER_SM={v!r}: expected -1 (the rule) or an int >= 0")
+    if SHARED_SPLIT_K_PROGRAMS_PER_SM >= 0:
+        return SHARED_SPLIT_K_PROGRAMS_PER_SM, (f"split-K target {SHARED_SPLIT_K_PROGRAMS_PER_SM} programs per SM "
+                                                f"(dispatch.SHARED_SPLIT_K_PROGRAMS_PER_SM)")
+    if intermediate >= 2048 and 2 <= num_tokens <= 4:
+        return 0, (f"T = {num_tokens}, I = {intermediate}: decode GEMMs unsplit (N / 64 programs), leaving SMs "
+                   f"to the routed front (measured faster on the H200)")
+    return None, "decode GEMMs on their in-line split-K grids"
 
 
 @functools.lru_cache(maxsize=4096)  # pure; asked on every forward
@@ -152,10 +184,13 @@ def pdl_policy(num_tokens: int, shared_overlapped: bool, intermediate: int = 0) 
     # 68.3, T=6 86.9 / 86.5 / 87.4; Flash (I = 2048) T=5 150.2 / 152.8 / 155.1, T=6 173.0 / 176.4 /
     # 178.5 and 167.0 / 170.0 / 172.2, T=8 213.0 / 212.8 / 214.9. So early at Pro-shaped T = 2-3
     # and Flash-shaped T = 5-6, none at Pro-shaped T = 4, at exit elsewhere from T = 2.
+    # NOTE (session 28, same tool, three runs, us, Flash T=2 overlapped without PDL / the in-line
+    # pick): 84.8 / 89.0, 86.9 / 89.1 (split-K shared GEMMs) - the Flash-shaped T = 2 runs
+    # overlapped (shared_overlap_policy) and, like T = 3-4, without PDL.
     if not shared_overlapped or num_tokens == 1:
         return "early", ("T = 1" if shared_overlapped else "shared expert in line") + ": successors released early"
     why = f"shared expert overlapped, T = {num_tokens}, I = {intermediate}"
-    if (intermediate >= 2048 and 3 <= num_tokens <= 4) or (0 < intermediate < 2048 and num_tokens == 4):
+    if (intermediate >= 2048 and 2 <= num_tokens <= 4) or (0 < intermediate < 2048 and num_tokens == 4):
         return "off", f"{why}: launched without PDL (measured faster than release at exit on the H200)"
     if (intermediate >= 2048 and 5 <= num_tokens <= 6) or (0 < intermediate < 2048 and 2 <= num_tokens <= 3):
         return "early", f"{why}: successors released early (measured faster than at exit on the H200)"
@@ -200,10 +235,10 @@ def shared_overlap_policy(num_tokens: int, num_local_experts: int, top_k: int,
     # 68.3 - the session-22 in-line band no longer pays since the front changed (the PDL modes
     # above); Flash T=2 88.9 / 91.5 and 88.7 / 91.4 (session 26 call: 89.2-89.5 / 93.0-93.5 at exit,
     # one capture of 86.0-86.1 without PDL) - in line.
+    # NOTE (session 28): Flash T=2 overlapped without PDL (pdl_policy) and with unsplit shared
+    # GEMMs (shared_split_policy) beat the in-line pick (see pdl_policy), so T = 2 is overlapped
+    # again.
     rows = num_tokens * top_k / max(num_local_experts, 1)
-    if intermediate >= 2048 and num_tokens == 2:
-        return False, (f"in line: T = 2 with I = {intermediate} (measured 3 % faster than the side stream on "
-                       f"the H200)")
     if intermediate >= 2048 and 0.5 <= rows <= 8:
         return False, (f"in line: {rows:.2f} routed rows per expert with I = {intermediate} (the side "
                        f"stream slowed such layers 4-10 % on the H200)")

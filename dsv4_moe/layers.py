@@ -285,7 +285,8 @@ class DeepseekV4MoE(_NativeBuffers):
         else:  # fork: the shared expert on the side stream once q, sa exist
             main = torch.cuda.current_stream(x.device)
             side.wait_stream(main)
-            with torch.cuda.stream(side), dispatch.side_stream_scope():
+            split = dispatch.shared_split_policy(t, c.local_intermediate(self.tp_size))[0]
+            with torch.cuda.stream(side), dispatch.side_stream_scope(split):
                 shared = self.shared_experts.forward_quantised(q, sa, ctx)
         swiglu = dispatch.select("swiglu_quant", ctx).name
         y = routed.impl(q, sa, topk_w, topk_ids, self.routed, c.swiglu_limit, swiglu,
@@ -340,7 +341,8 @@ class DeepseekV4MoE(_NativeBuffers):
         late = self._fork_after_align(num_tokens)
         how = (dispatch.shared_fork_policy(num_tokens, self.config.local_intermediate(self.tp_size))[1]
                if FORK_AFTER_ALIGN == "auto" else f"layers.FORK_AFTER_ALIGN = {FORK_AFTER_ALIGN!r}")
-        return f"{why}; forked {'after the routed alignment' if late else 'right after the front'} ({how})"
+        split = dispatch.shared_split_policy(num_tokens, self.config.local_intermediate(self.tp_size))[1]
+        return f"{why}; forked {'after the routed alignment' if late else 'right after the front'} ({how}); {split}"
 
     def _fork_after_align(self, num_tokens: int) -> bool:
         if FORK_AFTER_ALIGN not in ("auto", "on", "off"):

@@ -219,7 +219,8 @@ def fp8_gemm_triton_supported(ctx: DispatchContext):
 def fp8_gemm_triton(q, sa, w, sw):
     from . import dispatch  # noqa: PLC0415
 
-    return _kernel("fp8_block_gemm").fp8_block_gemm_nt(q, sa, w, sw, overlapped=dispatch.on_side_stream())
+    return _kernel("fp8_block_gemm").fp8_block_gemm_nt(q, sa, w, sw, overlapped=dispatch.on_side_stream(),
+                                                       split_k_programs_per_sm=dispatch.side_stream_split_k())
 
 
 def _gemm_shapes(ctx: DispatchContext):

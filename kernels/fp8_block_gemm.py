@@ -19,7 +19,7 @@ import torch
 
 __all__ = ["fp8_block_gemm_nt", "choose_config", "choose_split_k", "NUM_SMS_H200",
            "SPLIT_K_MAX_WS_FRACTION", "SPLIT_K_MIN_KB", "FAST_PREFILL_IMPRECISE",
-           "OVERLAPPED_SPLIT_K_PROGRAMS_PER_SM", "OVERLAPPED_GEMV_SPLIT"]
+           "OVERLAPPED_GEMV_SPLIT"]
 
 _BLOCK = 128
 NUM_SMS_H200 = 132
@@ -52,16 +52,16 @@ FAST_PREFILL_IMPRECISE = 128
 # weights from L1/L2: Flash gate_up M = 2 9.9 vs 11.1 us), so only M = 1 uses it.
 # 0 % of outputs off the float64-summed reference at every shape.
 _GEMV_PROGRAMS_PER_SM = 8
-# The same choices for a GEMM that runs beside the routed experts (the layer's shared expert
-# on its side stream: `overlapped=True`, set from dispatch.side_stream_scope). Session 27's
-# timelines showed the shared expert's split-K grid (~4 programs per SM) filling the SMs while
-# the routed front's one-program kernels waited beside it (Flash T = 4: the alignment's 2.8 us
-# stretched to 10.8). Smaller grids leave SMs to the critical path. Defaults = the in-line
-# choices, so nothing changes until measured (NOT YET TIMED). A/B switches:
-#   OVERLAPPED_SPLIT_K_PROGRAMS_PER_SM  split-K target for M = 2-16 (0: no split, N / 64 programs)
-#   OVERLAPPED_GEMV_SPLIT               M = 1: split the GEMV over K (False: N / 64 programs)
-# Every choice gives the same bits (the split-K is exact).
-OVERLAPPED_SPLIT_K_PROGRAMS_PER_SM = _SPLIT_K_PROGRAMS_PER_SM
+# A GEMM that runs beside the routed experts (the layer's shared expert on its side stream:
+# `overlapped=True`, set from dispatch.side_stream_scope) may take smaller grids, so that the
+# routed front's one-program kernels get SMs (session 27's timelines: at Flash T = 4 the
+# alignment's 2.8 us stretched to 10.8 beside the shared expert's split-K grid). The split-K
+# target of such a GEMM comes from the caller (`split_k_programs_per_sm`; the layer takes it
+# from dispatch.shared_split_policy). Every choice gives the same bits (the split-K is exact).
+#   OVERLAPPED_GEMV_SPLIT  M = 1: split the GEMV over K (False: N / 64 programs)
+# NOTE (session 28, H200, gpu_profile_layer.py --ab, 12 forwards per graph, 3 captures, us,
+# True / False): Pro-TP8 T=1 33.0 / 79.5, Flash T=1 55.7 / 83.8 - the unsplit GEMV is far too
+# slow beside the routed experts, so True stays.
 OVERLAPPED_GEMV_SPLIT = True
 
 
@@ -80,7 +80,7 @@ def choose_split_k(m: int, n: int, k: int, tiles: int, num_sms: int = NUM_SMS_H2
 
 
 def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H200, fast_accum: bool = False,
-                  overlapped: bool = False) -> dict:
+                  overlapped: bool = False, split_k_programs_per_sm: Optional[int] = None) -> dict:
     """Tile config for an [M, K] x [N, K]^T FP8 GEMM (keys: BLOCK_M, BLOCK_N, GROUP_M,
     num_warps, num_stages, IMPRECISE, SPLIT_K).
 
@@ -100,9 +100,14 @@ def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H200, fast_accu
     scripts/gpu_check_shared.py.
     fast_accum=True: IMPRECISE = FAST_PREFILL_IMPRECISE for the wgmma (M > 16) tiles:
     faster, and ~2.5x as many bf16 outputs off by an ulp or more (see _fp8_block_gemm).
-    overlapped=True: the decode grids of a GEMM beside the routed experts
-    (OVERLAPPED_SPLIT_K_PROGRAMS_PER_SM, OVERLAPPED_GEMV_SPLIT).
+    overlapped=True: M = 1 on a GEMM beside the routed experts (OVERLAPPED_GEMV_SPLIT).
+    split_k_programs_per_sm: the split-K target at M = 2-16 (None: ~4 programs per SM; 0: no
+    split, N / 64 programs).
     """
+    if split_k_programs_per_sm is not None and (isinstance(split_k_programs_per_sm, bool)
+                                                or not isinstance(split_k_programs_per_sm, int)
+                                                or split_k_programs_per_sm < 0):
+        raise ValueError(f"split_k_programs_per_sm={split_k_programs_per_sm!r}: expected None or an int >= 0")
     imp = FAST_PREFILL_IMPRECISE if fast_accum else 32
     if m == 1:
         tiles = -(-n // 64)
@@ -120,7 +125,7 @@ def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H200, fast_accu
                     SPLIT_K=-(-(-(-k // _BLOCK)) // 2), KB_VEC=True)
     if m <= 16:
         tiles = -(-n // 64)
-        pps = OVERLAPPED_SPLIT_K_PROGRAMS_PER_SM if overlapped else _SPLIT_K_PROGRAMS_PER_SM
+        pps = _SPLIT_K_PROGRAMS_PER_SM if split_k_programs_per_sm is None else split_k_programs_per_sm
         split = choose_split_k(m, n, k, tiles, num_sms, pps) if pps > 0 else 1
         return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, IMPRECISE=32,
                     SPLIT_K=max(1, split))
@@ -132,7 +137,8 @@ def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H200, fast_accu
 
 def fp8_block_gemm_nt(q: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, *,
                       out: Optional[torch.Tensor] = None, config: Optional[dict] = None,
-                      split_k: Optional[int] = None, overlapped: bool = False) -> torch.Tensor:
+                      split_k: Optional[int] = None, overlapped: bool = False,
+                      split_k_programs_per_sm: Optional[int] = None) -> torch.Tensor:
     """Block-scaled FP8 GEMM, bf16 output.
 
     Args:
@@ -150,6 +156,8 @@ def fp8_block_gemm_nt(q: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, sw: to
                                          single pass for the same tile config
         overlapped                       the call runs beside the routed experts: choose_config's
                                          `overlapped` grids (the same bits)
+        split_k_programs_per_sm          choose_config's split-K target at M = 2-16 (None: ~4
+                                         programs per SM, 0: no split; the same bits)
     Returns: out [M, N] bfloat16. M = 0 returns an empty tensor without a launch.
     Split-K allocates a float32 workspace [ceil(K/128), M, N] per call.
     """
@@ -187,7 +195,8 @@ def fp8_block_gemm_nt(q: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, sw: to
         raise ValueError(f"{fn}: split_k={split_k!r}, expected None or an int >= 1")
     if m == 0:
         return out
-    cfg = dict(config) if config is not None else choose_config(m, n, k, overlapped=overlapped)
+    cfg = dict(config) if config is not None else choose_config(m, n, k, overlapped=overlapped,
+                                                                     split_k_programs_per_sm=split_k_programs_per_sm)
     if split_k is not None:
         cfg["SPLIT_K"] = split_k
     sk = cfg.get("SPLIT_K", 1)

@@ -276,9 +276,10 @@ def test_scaled_mm_opt_in_knob(monkeypatch):
 
 @pytest.mark.parametrize("m,n,k", [(1, 256, 2048), (4, 2048, 2048), (2, 2048, 1024)])
 def test_overlapped_grids_same_bits(monkeypatch, m, n, k):
-    """fp8_block_gemm_nt(overlapped=True) (the shared expert beside the routed experts) takes
-    choose_config's OVERLAPPED_* grids: the default settings are the in-line choices; a smaller
-    split-K target or an unsplit GEMV changes the grid, never the bits."""
+    """fp8_block_gemm_nt(overlapped=True, split_k_programs_per_sm=...) (the shared expert beside
+    the routed experts): by default the in-line grids; an unsplit GEMV (OVERLAPPED_GEMV_SPLIT
+    False) or a smaller split-K target (0: no split) changes the grid, never the bits; a bad
+    target is a ValueError naming it."""
     import dsv4_moe.kernels.fp8_block_gemm as fbg
 
     assert choose_config(m, n, k, overlapped=True) == choose_config(m, n, k)
@@ -286,17 +287,17 @@ def test_overlapped_grids_same_bits(monkeypatch, m, n, k):
     args = (q.to(DEV), sa.to(DEV), w.to(DEV), sw.to(DEV))
     want = fp8_block_gemm_nt(*args).cpu()
     assert choose_config(m, n, k)["SPLIT_K"] > 1  # the in-line grid splits K here
-    monkeypatch.setattr(fbg, "OVERLAPPED_SPLIT_K_PROGRAMS_PER_SM", 0)
     monkeypatch.setattr(fbg, "OVERLAPPED_GEMV_SPLIT", False)
-    cfg = choose_config(m, n, k, overlapped=True)
+    cfg = choose_config(m, n, k, overlapped=True, split_k_programs_per_sm=0)
     assert cfg["SPLIT_K"] == 1 and choose_config(m, n, k)["SPLIT_K"] > 1
-    got = fp8_block_gemm_nt(*args, overlapped=True).cpu()
+    got = fp8_block_gemm_nt(*args, overlapped=True, split_k_programs_per_sm=0).cpu()
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     if m > 1:
-        monkeypatch.setattr(fbg, "OVERLAPPED_SPLIT_K_PROGRAMS_PER_SM", 1)
-        assert 1 < choose_config(m, n, k, overlapped=True)["SPLIT_K"] < choose_config(m, n, k)["SPLIT_K"]
-        got = fp8_block_gemm_nt(*args, overlapped=True).cpu()
+        assert 1 < choose_config(m, n, k, split_k_programs_per_sm=1)["SPLIT_K"] < choose_config(m, n, k)["SPLIT_K"]
+        got = fp8_block_gemm_nt(*args, split_k_programs_per_sm=1).cpu()
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    with pytest.raises(ValueError, match="split_k_programs_per_sm=-1: expected None or an int >= 0"):
+        choose_config(m, n, k, split_k_programs_per_sm=-1)
 
 
 def test_side_stream_scope_reaches_the_shared_gemm(monkeypatch):

@@ -236,17 +236,20 @@ def test_overlap_shared_option():
 
 def test_shared_overlap_policy_rule():
     """dispatch.shared_overlap_policy: in line for the Flash-shaped layer (I >= 2048) at
-    0.5-8 routed rows per expert (measured 4-10 % faster there on the H200) and at T = 2
-    (session 27), overlapped at other decode sizes, above the band and for Pro-TP8's
+    0.5-8 routed rows per expert (measured 4-10 % faster there on the H200), overlapped at
+    other decode sizes (T = 2 again since session 28), above the band and for Pro-TP8's
     I/tp = 384 at every T (its session-22 in-line band at T = 3-4 measured slower in session 27);
-    dispatch.shared_fork_policy: the fork after the routed alignment only at Flash-shaped T = 1."""
+    dispatch.shared_fork_policy: the fork after the routed alignment only at Flash-shaped T = 1;
+    dispatch.shared_split_policy: unsplit shared GEMMs at Flash-shaped T = 2-4 only."""
     from dsv4_moe import dispatch
 
     flash = dict(num_local_experts=256, top_k=6, intermediate=2048)
     pro = dict(num_local_experts=384, top_k=6, intermediate=384)
     assert [dispatch.shared_overlap_policy(t, **flash)[0] for t in (1, 2, 3, 16, 32, 256, 384, 4096)] == \
-        [True, False, True, True, False, False, True, True]
-    assert "T = 2 with I = 2048" in dispatch.shared_overlap_policy(2, **flash)[1]
+        [True, True, True, True, False, False, True, True]
+    assert [dispatch.shared_split_policy(t, 2048)[0] for t in (1, 2, 3, 4, 5, 16)] == [None, 0, 0, 0, None, None]
+    assert all(dispatch.shared_split_policy(t, 384)[0] is None for t in (1, 2, 3, 4, 16))
+    assert "leaving SMs to the routed front" in dispatch.shared_split_policy(3, 2048)[1]
     assert all(dispatch.shared_overlap_policy(t, **pro)[0] for t in (1, 2, 3, 4, 5, 16, 64, 256, 1024, 8192))
     ov, why = dispatch.shared_overlap_policy(64, **flash)
     assert not ov and "1.50 routed rows per expert" in why and "I = 2048" in why
@@ -275,6 +278,36 @@ def test_fork_after_align_switch(monkeypatch):
     monkeypatch.setattr(layer, "shared_overlap", lambda t: (True, "on a side stream"))  # as on CUDA
     assert "forked after the routed alignment (T = 1, I = 2048" in layer._shared_line(1)
     assert "forked right after the front" in layer._shared_line(2)
+    assert layer._shared_line(3).endswith("decode GEMMs unsplit (N / 64 programs), leaving SMs to the routed front "
+                                          "(measured faster on the H200)")
+    assert layer._shared_line(8).endswith("decode GEMMs on their in-line split-K grids")
+
+
+def test_shared_split_switch(monkeypatch):
+    """dispatch.SHARED_SPLIT_K_PROGRAMS_PER_SM: -1 follows shared_split_policy's rule, >= 0 forces
+    that target at every T, anything else is a ValueError naming the value; side_stream_scope
+    hands the target to the fp8_gemm stage, which passes it to the kernel."""
+    from dsv4_moe import dispatch, stages
+    import dsv4_moe.kernels.fp8_block_gemm as fbg
+
+    monkeypatch.setattr(dispatch, "SHARED_SPLIT_K_PROGRAMS_PER_SM", 2)
+    assert dispatch.shared_split_policy(8, 384) == (2, "split-K target 2 programs per SM "
+                                                       "(dispatch.SHARED_SPLIT_K_PROGRAMS_PER_SM)")
+    for bad in (-2, True, 1.5):
+        monkeypatch.setattr(dispatch, "SHARED_SPLIT_K_PROGRAMS_PER_SM", bad)
+        with pytest.raises(ValueError, match=f"SHARED_SPLIT_K_PROGRAMS_PER_SM={bad!r}: expected -1"):
+            dispatch.shared_split_policy(3, 2048)
+    seen = []
+    monkeypatch.setattr(fbg, "fp8_block_gemm_nt", lambda *a, **kw: seen.append(
+        (kw["overlapped"], kw["split_k_programs_per_sm"])))
+    stages.fp8_gemm_triton(None, None, None, None)
+    with dispatch.side_stream_scope(0):
+        assert dispatch.on_side_stream() and dispatch.side_stream_split_k() == 0
+        stages.fp8_gemm_triton(None, None, None, None)
+    with dispatch.side_stream_scope():
+        stages.fp8_gemm_triton(None, None, None, None)
+    assert not dispatch.on_side_stream() and dispatch.side_stream_split_k() is None
+    assert seen == [(False, None), (True, 0), (True, None)]
 
 
 def test_front_dispatch_reasons(monkeypatch):
