@@ -145,7 +145,10 @@ def shared_split_policy(num_tokens: int, intermediate: int) -> tuple[Optional[in
     # (sorted alignment) and 131.9 / 128.6 (pairwise), T=5 141.5 / 141.4, T=6 161.8 / 161.9, T=8
     # 207.4 / 207.5, T=16 352.3 / 352.7; Pro-TP8 (I = 384) T=2 46.2 / 50.2, T=4 67.5 / 68.8, T=8
     # and 16 level. The Flash shared GEMMs at T = 3-4 on 64 programs each instead of ~528
-    # leave the SMs to the routed front's one-program kernels.
+    # leave the SMs to the routed front's one-program kernels. With this rule (ecbc623, rule /
+    # ~4 per SM / ~1 per SM): Flash T=2 (overlapped) 80.0 / 86.1 / 95.6, T=3 109.2 / 113.1 /
+    # 113.4, T=4 128.9 / 132.4 / 132.0; Pro-TP8 (rule / none / ~2 per SM) T=2 45.9 / 50.1 / 45.8,
+    # T=3 59.0 / 60.7 / 59.4.
     v = SHARED_SPLIT_K_PROGRAMS_PER_SM
     if isinstance(v, bool) or not isinstance(v, int) or v < -1:
         raise ValueError(f"dispatch.SHARED_SPLIT_K_PROGRAMS_PER_SM={v!r}: expected -1 (the rule) or an int >= 0")
@@ -184,15 +187,18 @@ def pdl_policy(num_tokens: int, shared_overlapped: bool, intermediate: int = 0) 
     # 68.3, T=6 86.9 / 86.5 / 87.4; Flash (I = 2048) T=5 150.2 / 152.8 / 155.1, T=6 173.0 / 176.4 /
     # 178.5 and 167.0 / 170.0 / 172.2, T=8 213.0 / 212.8 / 214.9. So early at Pro-shaped T = 2-3
     # and Flash-shaped T = 5-6, none at Pro-shaped T = 4, at exit elsewhere from T = 2.
-    # NOTE (session 28, same tool, three runs, us, Flash T=2 overlapped without PDL / the in-line
-    # pick): 84.8 / 89.0, 86.9 / 89.1 (split-K shared GEMMs) - the Flash-shaped T = 2 runs
-    # overlapped (shared_overlap_policy) and, like T = 3-4, without PDL.
+    # NOTE (session 28, same tool, docs/bench/2026-11-30/session28/profile_layer_{newrule_flash,
+    # split_flash}_ecbc623.txt, us, Flash, overlapped with the unsplit shared GEMMs of
+    # shared_split_policy, PDL early / exit / off): T=2 77.0 / 81.1 / 80.3 and 77.1 / 81.2 / 80.3
+    # (in line, the old pick: 88.8 early), T=3 105.2 / 107.7 / 109.9 and 105.2 / 107.8 / 109.6,
+    # T=4 124.7 / 126.8 / 128.9 and 125.4 / 127.4 / 129.5. Without the split-K grid beside them
+    # the routed kernels gain from early release again, so early at Flash-shaped T = 2-6.
     if not shared_overlapped or num_tokens == 1:
         return "early", ("T = 1" if shared_overlapped else "shared expert in line") + ": successors released early"
     why = f"shared expert overlapped, T = {num_tokens}, I = {intermediate}"
-    if (intermediate >= 2048 and 2 <= num_tokens <= 4) or (0 < intermediate < 2048 and num_tokens == 4):
+    if 0 < intermediate < 2048 and num_tokens == 4:
         return "off", f"{why}: launched without PDL (measured faster than release at exit on the H200)"
-    if (intermediate >= 2048 and 5 <= num_tokens <= 6) or (0 < intermediate < 2048 and 2 <= num_tokens <= 3):
+    if (intermediate >= 2048 and 2 <= num_tokens <= 6) or (0 < intermediate < 2048 and 2 <= num_tokens <= 3):
         return "early", f"{why}: successors released early (measured faster than at exit on the H200)"
     return "exit", "shared expert overlapped, T > 1: successors released at CTA exit"
 
@@ -235,9 +241,9 @@ def shared_overlap_policy(num_tokens: int, num_local_experts: int, top_k: int,
     # 68.3 - the session-22 in-line band no longer pays since the front changed (the PDL modes
     # above); Flash T=2 88.9 / 91.5 and 88.7 / 91.4 (session 26 call: 89.2-89.5 / 93.0-93.5 at exit,
     # one capture of 86.0-86.1 without PDL) - in line.
-    # NOTE (session 28): Flash T=2 overlapped without PDL (pdl_policy) and with unsplit shared
-    # GEMMs (shared_split_policy) beat the in-line pick (see pdl_policy), so T = 2 is overlapped
-    # again.
+    # NOTE (session 28): Flash T=2 overlapped with unsplit shared GEMMs (shared_split_policy) and
+    # PDL early took 77.0 us against 88.8 in line (pdl_policy's session-28 note), so T = 2 is
+    # overlapped again.
     rows = num_tokens * top_k / max(num_local_experts, 1)
     if intermediate >= 2048 and 0.5 <= rows <= 8:
         return False, (f"in line: {rows:.2f} routed rows per expert with I = {intermediate} (the side "

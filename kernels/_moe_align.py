@@ -19,11 +19,14 @@ Three launches, no host sync, sizes fixed by shapes only (CUDA-graph capturable)
    expert of each M-block (-1 past the valid ones) and, in every row that holds no route
    (expert padding and whole unused blocks), the sentinel R, expert -1 and weight 0.
 
-Decode (R <= BLOCK routes, one chunk, max_rows <= SMALL_MAX_ROWS): `_align_small_kernel`
-does all three steps in one program and one launch: every row first gets the sentinel
-R / -1 / 0, then (after a barrier, which orders the program's global writes) the routes
-overwrite their rows; each valid M-block's expert is written by the routes it holds
-(every valid block holds at least one), the others get -1. Same outputs, bit for bit.
+Decode (R <= 256 routes, max_rows <= SMALL_MAX_ROWS): `_align_small_kernel` does all three
+steps in one program and one launch: every row first gets the sentinel R / -1 / 0
+(`_align_fill`), then (after a barrier, which orders the program's global writes) the routes
+overwrite their rows (`_align_place`); each valid M-block's expert is written by the routes it
+holds (every valid block holds at least one), the others get -1. Its default form sorts the
+routes' packed keys once (`_align_sorted_body`); the older forms (`_align_small_body`, R <= 64:
+[routes x routes] or [routes x experts] compares) remain for `impl="small"` and the one-launch
+front (`_route_front.py`). Same outputs, bit for bit.
 """
 
 import triton
@@ -202,7 +205,7 @@ def _align_sorted_body(ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, e
                        R, first_expert, num_local, max_blocks,
                        HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                        E_PAD: tl.constexpr, ROWS_PAD: tl.constexpr, MB_PAD: tl.constexpr):
-    """The one-program alignment by sorting (session 27, untimed): the BLOCK routes' keys
+    """The one-program alignment by sorting (session 27; the default since session 28): the BLOCK routes' keys
     (local expert, E_PAD for a route that is not local or past R) packed with their index,
     key * BLOCK + i, sorted ascending - so by expert and, within an expert, by route (the
     counting sort's order). In sorted order a route's rank is its distance from its expert's
@@ -288,10 +291,6 @@ def _align_small_body(ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, ex
     rank = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
     ecol = tl.arange(0, E_PAD)
     is_e = ecol < num_local
-    one = tl.arange(0, 1)
-    rows = tl.arange(0, ROWS_PAD)
-    in_rows = rows < max_blocks * BLOCK_M
-    b = tl.arange(0, MB_PAD)
     if PAIRWISE:
         cnt_r = tl.sum(same.to(tl.int32), axis=1)                       # routes of route i's expert
         first = local & (rank == 0)
@@ -314,26 +313,12 @@ def _align_small_body(ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, ex
         # re-read from global memory after the barrier (session 7: one L2 round trip fewer on
         # the decode critical path)
         off = tl.sum(tl.where(key[:, None] == ecol[None, :], offs[None, :], 0), axis=1)
-    # NOTE: the stores below are what _align_fill / _align_place do for the sorted form, kept
-    # inline here: through those helpers this body compiles to other (equivalent) SASS than the
-    # one checked on the H200 (session 27); fold them once the sorted form has been timed
-    tl.store(expert_offsets_ptr + num_local + one, tl.zeros([1], tl.int32) + total)
-    tl.store(num_blocks_ptr + one, tl.zeros([1], tl.int32) + nvb)
-    # every row: the sentinel (rows holding a route are overwritten below)
-    tl.store(sorted_ids_ptr + rows, tl.zeros([ROWS_PAD], tl.int32) + R, mask=in_rows)
-    tl.store(row_expert_ptr + rows, tl.full([ROWS_PAD], -1, tl.int32), mask=in_rows)
-    if HAS_WEIGHTS:
-        tl.store(row_weight_ptr + rows, tl.zeros([ROWS_PAD], tl.float32), mask=in_rows)
-    tl.store(block_expert_ptr + b, tl.full([MB_PAD], -1, tl.int32), mask=(b < max_blocks) & (b >= nvb))
+    _align_fill(expert_offsets_ptr, num_blocks_ptr, sorted_ids_ptr, row_expert_ptr, row_weight_ptr,
+                block_expert_ptr, num_local, total, nvb, R, max_blocks, HAS_WEIGHTS, BLOCK_M, ROWS_PAD, MB_PAD)
     # the barrier orders the fills above (any thread) before the writes below (the route's thread)
     tl.debug_barrier()
-    dest = off + rank
-    tl.store(sorted_ids_ptr + dest, i, mask=local)
-    tl.store(row_expert_ptr + dest, key, mask=local)
-    if HAS_WEIGHTS:
-        tl.store(row_weight_ptr + dest, tl.load(topk_w_ptr + i, mask=local, other=0.0), mask=local)
-    tl.store(route_rows_ptr + i, tl.where(local, dest, -1), mask=in_r)
-    tl.store(block_expert_ptr + dest // BLOCK_M, key, mask=local)
+    _align_place(sorted_ids_ptr, row_expert_ptr, row_weight_ptr, route_rows_ptr, block_expert_ptr, topk_w_ptr,
+                 off + rank, i, key, local, in_r, HAS_WEIGHTS, BLOCK_M)
     if PAIRWISE:
         tl.store(expert_counts_ptr + key, cnt_r, mask=first)                # one first route per expert
         tl.debug_barrier()

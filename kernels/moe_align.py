@@ -21,8 +21,9 @@ BLOCK_M; experts are in ascending id. Everything is sized from shapes alone:
 max_blocks = min(R, cdiv(R, BLOCK_M) + min(E_local, R)) (each non-empty expert wastes
 less than one block, and every valid block holds at least one route), max_rows =
 max_blocks * BLOCK_M, so the call never syncs and can be captured in a CUDA graph.
-Decode-sized inputs (R <= SMALL_MAX_ROUTES = 64 routes) take one launch, larger ones three
-(kernels/_moe_align.py; `impl` forces either, and both give the same outputs).
+Decode-sized inputs (R <= SORTED_MAX_ROUTES = 256 routes, the sorted one-program form) take
+one launch, larger ones three (kernels/_moe_align.py; `impl` forces any form, and all give the
+same outputs).
 """
 
 from __future__ import annotations
@@ -71,11 +72,20 @@ SMALL_MAX_ROUTES = 64
 SMALL_NUM_WARPS = 4
 SMALL_NUM_WARPS_64 = 8
 # The one-program kernel in its sorted form (`_align_sorted_body`: one sort of BLOCK packed
-# keys and [BLOCK]-vector scans, no [routes x routes] tile), taken for R <= SORTED_MAX_ROUTES
-# when SMALL_SORTED is on. Built in session 27 after the H200 calls and NOT YET TIMED, so off;
-# same outputs (interpreter). A/B: gpu_profile_layer.py --ab dsv4_moe.kernels.moe_align.SMALL_SORTED=0,1
-# (Pro-TP8 T = 11-21 runs the three launches, ~7.5 us of the chain at T = 16).
-SMALL_SORTED = False
+# keys and [BLOCK]-vector scans, no [routes x routes] or [routes x experts] tile), taken for
+# R <= SORTED_MAX_ROUTES when SMALL_SORTED is on (the default; off: the forms above, R <= 64).
+# NOTE (session 28, H200, docs/bench/2026-11-30/session28/): alone (gpu_check_router.py --parts
+# align_sorted, graphs, us, sorted / one-program pairwise or one-hot / three launches, bitwise
+# equal at every size): E 384 T=1 1.71 / 1.69 / 5.66, T=4 2.05 / 1.95 / 5.70, T=8 2.60 / 3.60 /
+# 5.30, T=16 3.11 / - / 5.31, T=42 4.18 / - / 6.15; E 256 T=1 1.65 / 2.02 / 4.84, T=4 2.15 / 3.57
+# / 5.27, T=16 3.13 / - / 4.85, T=42 4.40 / - / 5.95. In the layer (gpu_profile_layer.py --ab
+# ...SMALL_SORTED=0,1, 12 forwards per graph, 3 captures, us, off / on): Pro-TP8 T=1-4 level,
+# T=6 86.1 / 85.7, T=12 131.0 / 124.6, T=16 156.1 / 151.0, T=21 204.0 / 194.9, T=32 274.9 /
+# 272.9, T=42 311.2 / 306.3; Flash T=2 80.0 / 79.3, T=3 109.7 / 107.4, T=4 128.5 / 126.7, T=6
+# 166.8 / 162.5, T=8 206.3 / 205.4, T=16 351.9 / 347.4, T=42 712.9 / 710.6 (Flash T=2-6 with
+# the unsplit shared GEMMs of dispatch.shared_split_policy; beside the old split-K grid the
+# sorted form was slower at Flash T=3-4, 114.7 / 119.5 and 132.8 / 141.3). A/B switch.
+SMALL_SORTED = True
 SORTED_MAX_ROUTES = 256
 # NOTE (session 27, H200, not kept): the three launches in one for 65-1024 routes (each program
 # counting its chunk, the last to arrive - split_k_arrive - scanning and scattering everything)
@@ -153,9 +163,9 @@ def moe_align(topk_ids: torch.Tensor, num_local: int, first_expert: int, block_m
               topk_weights: torch.Tensor | None = None, *, impl: str = "auto") -> MoeAlignment:
     """Group the (token, slot) routes of `topk_ids` by local expert; see the module doc.
 
-    impl: "auto" (one launch for decode-sized inputs, R <= SMALL_MAX_ROUTES routes and max_rows <=
-    SMALL_MAX_ROWS, or R <= SORTED_MAX_ROUTES in the sorted form when SMALL_SORTED is on; else
-    three), "small" (force the one-launch kernel; raises past those limits), "sorted" (force
+    impl: "auto" (one launch for decode-sized inputs: R <= SORTED_MAX_ROUTES routes in the sorted
+    form while SMALL_SORTED is on (the default), else R <= SMALL_MAX_ROUTES; max_rows <=
+    SMALL_MAX_ROWS either way; else three), "small" (force the one-launch kernel; raises past those limits), "sorted" (force
     its sorted form; raises past R <= SORTED_MAX_ROUTES) or "chunked" (force the three
     launches). All give the same outputs."""
     if impl not in ("auto", "small", "sorted", "chunked"):

@@ -87,14 +87,15 @@ def test_auto_mode_scopes_and_policy(monkeypatch):
     assert dispatch.pdl_policy(1, True)[0] == "early"
     assert dispatch.pdl_policy(4, True)[0] == "exit"
     assert dispatch.pdl_policy(4096, False)[0] == "early"
-    # the Flash-shaped layer overlapped at T = 2-4 launches without PDL (measured, sessions 21, 28)
+    # the Flash-shaped layer overlapped (unsplit shared GEMMs) at T = 2-6: early (session 28)
     assert [dispatch.pdl_policy(t, True, 2048)[0] for t in (1, 2, 3, 4, 5, 6, 8)] == \
-        ["early", "off", "off", "off", "early", "early", "exit"]
+        ["early", "early", "early", "early", "early", "early", "exit"]
     assert [dispatch.pdl_policy(t, True, 384)[0] for t in (1, 2, 3, 4, 5, 16)] == \
         ["early", "early", "early", "off", "exit", "exit"]
     assert "measured faster than at exit" in dispatch.pdl_policy(2, True, 384)[1]
     assert dispatch.pdl_policy(4, False, 2048)[0] == "early"
     assert "I = 2048" in dispatch.pdl_policy(3, True, 2048)[1]
+    assert "I = 384" in dispatch.pdl_policy(4, True, 384)[1] and "without PDL" in dispatch.pdl_policy(4, True, 384)[1]
 
 
 def test_explain_names_the_launch_mode():
