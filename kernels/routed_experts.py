@@ -181,6 +181,14 @@ PRO_SWAP32_MIN_ROWS = 16.0
 PRO_UP16_CAP_MAX_ROWS = float("inf")
 PRO_UP16_MAXNREG = 112
 PRO_DOWN16_MAXNREG = 96
+# Weight rows per program (block_n) of that capped Pro-shaped 16-row down. NOTE (session 28, H200,
+# scripts/gpu_probe_swap_rows.py --presets pro-tp8 --gemms down --enc-variants, 3 interleaved
+# rounds, min, us, docs/bench/2026-11-30/session28/probe_swap_rows_downvar_d80e85f.txt; every
+# variant bitwise the layer config): 16 x 128 -> 16 x 64 tiles T=8 29.8 -> 27.5, T=16 51.2 ->
+# 46.6, T=32 86.7 -> 80.1 (16 x 256: 34.0 / 56.5 / 94.6; 3 or 5 stages, no unroll, a 128 cap:
+# within 1.5 %; an 80 cap 0.90-0.95x). Three 128-k steps per program leave little to pipeline;
+# twice the programs at half the weight rows keep more loads in flight per SM.
+PRO_DOWN16_BLOCK_N = 64
 # Rows per local expert from which the Pro-shaped (I <= 1024) short-K down on 16-row blocks takes
 # its activations as bf16 pairs (swiglu_quant writes them; same bits as fp8). NOTE (session 24,
 # H200, layer bench, graphs, rotated weights, two alternating runs each, docs/bench/2026-11-30/
@@ -276,7 +284,8 @@ def _mma64e_configs(up: GemmConfig, down: GemmConfig, i: int, rows: float = 0.0)
         # (offline sm_90a: 40 / 120 stack bytes), so that body keeps 128
         up = dataclasses.replace(up, maxnreg=PRO_UP16_MAXNREG if up.fold_sa else 128)
     if down.kind == "swap" and down.block_m == 16 and i <= 1024 and down.maxnreg == 128:
-        down = dataclasses.replace(down, maxnreg=PRO_DOWN16_MAXNREG if down.fold_sa else 128)
+        down = dataclasses.replace(down, maxnreg=PRO_DOWN16_MAXNREG if down.fold_sa else 128,
+                                   block_n=PRO_DOWN16_BLOCK_N if down.fold_sa else down.block_n)
     up, down = [dataclasses.replace(c, fold_order="wait") if c.fold_sa and c.fold_order == "split" else c
                 for c in (up, down)]
     return up, down

@@ -465,8 +465,8 @@ def test_mma64e_layout_roundtrip_and_guards():
             if i >= 2048:
                 assert c64e == c64, t
             else:
-                def bits(c):
-                    return dataclasses.replace(c, maxnreg=None, fold_order="wait")
+                def bits(c):  # a cap, the ordering, the N split: none changes a sum's order
+                    return dataclasses.replace(c, maxnreg=None, fold_order="wait", block_n=128)
                 assert [bits(c) for c in c64e] == [bits(c) for c in c64], t
                 changed += c64e != c64
         assert i >= 2048 or changed >= 4   # Pro-TP8 T = 1..256 (16-row blocks): "split" -> "wait", gate_up capped
@@ -505,6 +505,31 @@ def test_mma64e_bodies_bitwise_mma64(kind, bm, bn, split, fold):
         ys = [mxfp4_grouped_gemm(hq, hs, conv(wd), sd, a, gather_a=False, scatter_out=True, config=cfg, layout=lay,
                                  out=sentinel.clone()) for conv, lay in ((to_mma64, "mma64"), (to_mma64e, "mma64e"))]
         assert torch.equal(ys[1].view(torch.int16), ys[0].view(torch.int16))
+
+
+def test_pro_down_block_n_same_bits():
+    """routed_experts.PRO_DOWN16_BLOCK_N (session 28: 16 x 64 tiles for the capped Pro-shaped
+    16-row down): that config on "mma64e" weights gives the 16 x 128 config's bits (only the N
+    split changes), scattered, K = 384, non-local slots unwritten; the switch reaches the config."""
+    from dsv4_moe.kernels import routed_experts as rx
+    from dsv4_moe.kernels.mxfp4_grouped_gemm import bf16_pairs
+    from dsv4_moe.weights.mma_layout import to_mma64e
+
+    down = rx._routed_configs(16 * 6, 384, 384, 7168, "mma64e", True, True, True)[1]
+    assert (down.kind, down.block_m, down.block_n, down.fold_sa, down.a_bf16) == ("swap", 16, 64, True, True)
+    _, _, _, _, ids = _mma64_case(5)
+    e, (t, k) = 6, ids.shape
+    a = moe_align(ids.int(), e, 0, 16)
+    g = torch.Generator().manual_seed(9)
+    wd, sd = _weights(e, 256, 384, g)
+    hq, hs = ref.act_quant(torch.randn(a.max_rows, 384, generator=g).bfloat16() * 3)
+    sentinel = torch.full((t * k, 256), 7.0, dtype=torch.bfloat16)
+    ys = [mxfp4_grouped_gemm(hq, hs, to_mma64e(wd), sd, a, gather_a=False, scatter_out=True, layout="mma64e",
+                             config=dataclasses.replace(down, block_n=bn), out=sentinel.clone(),
+                             a_pairs=bf16_pairs(hq, hs), a_pairs_scaled=True) for bn in (64, 128)]
+    assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16))
+    other = ids.flatten() >= e                      # the route to another rank's expert: unwritten
+    assert other.any() and (ys[0][other] == 7.0).all() and not (ys[0][~other] == 7.0).all(dim=1).any()
 
 
 def test_swz_dequant_ptx_halves_bitwise():
