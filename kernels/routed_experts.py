@@ -187,7 +187,10 @@ PRO_DOWN16_MAXNREG = 96
 # variant bitwise the layer config): 16 x 128 -> 16 x 64 tiles T=8 29.8 -> 27.5, T=16 51.2 ->
 # 46.6, T=32 86.7 -> 80.1 (16 x 256: 34.0 / 56.5 / 94.6; 3 or 5 stages, no unroll, a 128 cap:
 # within 1.5 %; an 80 cap 0.90-0.95x). Three 128-k steps per program leave little to pipeline;
-# twice the programs at half the weight rows keep more loads in flight per SM.
+# twice the programs at half the weight rows keep more loads in flight per SM. In the layer
+# (gpu_profile_layer.py --ab ...PRO_DOWN16_BLOCK_N=128,64, us, 391a458): T=4 69.2 / 66.7, T=8 97.2 /
+# 93.7, T=16 151.8 / 147.0, T=32 274.8 / 268.2, T=64 386.8 / 376.8, T=256 630.2 / 613.5, T=512
+# 694.2 / 693.5. On the long-K Flash GEMMs the same tiles are 0.89-0.94x, so only here.
 PRO_DOWN16_BLOCK_N = 64
 # Rows per local expert from which the Pro-shaped (I <= 1024) short-K down on 16-row blocks takes
 # its activations as bf16 pairs (swiglu_quant writes them; same bits as fp8). NOTE (session 24,
