@@ -190,7 +190,7 @@ PRO_DOWN16_MAXNREG = 96
 # twice the programs at half the weight rows keep more loads in flight per SM. In the layer
 # (gpu_profile_layer.py --ab ...PRO_DOWN16_BLOCK_N=128,64, us, 391a458): T=4 69.2 / 66.7, T=8 97.2 /
 # 93.7, T=16 151.8 / 147.0, T=32 274.8 / 268.2, T=64 386.8 / 376.8, T=256 630.2 / 613.5, T=512
-# 694.2 / 693.5. On the long-K Flash GEMMs the same tiles are 0.89-0.94x, so only here.
+# 694.2 / 693.5 (from T = 512 the down is uncapped and keeps 16 x 128). On the long-K Flash GEMMs the same tiles are 0.89-0.94x, so only here.
 PRO_DOWN16_BLOCK_N = 64
 # Rows per local expert from which the Pro-shaped (I <= 1024) short-K down on 16-row blocks takes
 # its activations as bf16 pairs (swiglu_quant writes them; same bits as fp8). NOTE (session 24,
