@@ -192,6 +192,14 @@ PRO_DOWN16_MAXNREG = 96
 # 93.7, T=16 151.8 / 147.0, T=32 274.8 / 268.2, T=64 386.8 / 376.8, T=256 630.2 / 613.5, T=512
 # 694.2 / 693.5 (from T = 512 the down is uncapped and keeps 16 x 128). On the long-K Flash GEMMs the same tiles are 0.89-0.94x, so only here.
 PRO_DOWN16_BLOCK_N = 64
+# The same for the uncapped Pro-shaped 16-row down below PRO_DOWN16_SMALL_MAX_ROWS rows per local
+# expert (T = 1-3 at top-6 over 384 experts: 6-18 experts, 336-1008 programs on 16 x 128 tiles,
+# 2.5-7.6 per SM, each with three 128-k steps). Built in session 28 after its last H200 call:
+# NOT YET TIMED, so 128 (today's tile); 64 doubles the programs in flight, as the capped range
+# gained from. Same bits (only the N split changes; tested under the interpreter). A/B:
+# gpu_profile_layer.py --presets pro-tp8 --tokens 1,2,3 --ab dsv4_moe.kernels.routed_experts.PRO_DOWN16_SMALL_BLOCK_N=128,64
+PRO_DOWN16_SMALL_BLOCK_N = 128
+PRO_DOWN16_SMALL_MAX_ROWS = 1.0
 # Rows per local expert from which the Pro-shaped (I <= 1024) short-K down on 16-row blocks takes
 # its activations as bf16 pairs (swiglu_quant writes them; same bits as fp8). NOTE (session 24,
 # H200, layer bench, graphs, rotated weights, two alternating runs each, docs/bench/2026-11-30/
@@ -289,6 +297,9 @@ def _mma64e_configs(up: GemmConfig, down: GemmConfig, i: int, rows: float = 0.0)
     if down.kind == "swap" and down.block_m == 16 and i <= 1024 and down.maxnreg == 128:
         down = dataclasses.replace(down, maxnreg=PRO_DOWN16_MAXNREG if down.fold_sa else 128,
                                    block_n=PRO_DOWN16_BLOCK_N if down.fold_sa else down.block_n)
+    elif (down.kind == "swap" and down.block_m == 16 and i <= 1024 and down.maxnreg is None and down.fold_sa
+          and down.split_k == 1 and rows < PRO_DOWN16_SMALL_MAX_ROWS):
+        down = dataclasses.replace(down, block_n=PRO_DOWN16_SMALL_BLOCK_N)
     up, down = [dataclasses.replace(c, fold_order="wait") if c.fold_sa and c.fold_order == "split" else c
                 for c in (up, down)]
     return up, down

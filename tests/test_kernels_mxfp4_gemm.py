@@ -507,26 +507,38 @@ def test_mma64e_bodies_bitwise_mma64(kind, bm, bn, split, fold):
         assert torch.equal(ys[1].view(torch.int16), ys[0].view(torch.int16))
 
 
-def test_pro_down_block_n_same_bits():
+@pytest.mark.parametrize("t", [16, 1])
+def test_pro_down_block_n_same_bits(monkeypatch, t):
     """routed_experts.PRO_DOWN16_BLOCK_N (session 28: 16 x 64 tiles for the capped Pro-shaped
-    16-row down): that config on "mma64e" weights gives the 16 x 128 config's bits (only the N
-    split changes), scattered, K = 384, non-local slots unwritten; the switch reaches the config."""
+    16-row down, T = 4-511) and PRO_DOWN16_SMALL_BLOCK_N (the uncapped one at T = 1-3; 128 until
+    timed): those configs on "mma64e" weights give the 16 x 128 config's bits (only the N split
+    changes), scattered, K = 384, non-local slots unwritten; the switches reach the configs and
+    leave the Flash-shaped down alone."""
     from dsv4_moe.kernels import routed_experts as rx
     from dsv4_moe.kernels.mxfp4_grouped_gemm import bf16_pairs
     from dsv4_moe.weights.mma_layout import to_mma64e
 
-    down = rx._routed_configs(16 * 6, 384, 384, 7168, "mma64e", True, True, True)[1]
-    assert (down.kind, down.block_m, down.block_n, down.fold_sa, down.a_bf16) == ("swap", 16, 64, True, True)
+    def configs(t, e=384, i=384, h=7168):
+        rx._routed_configs.cache_clear()
+        return rx._routed_configs(t * 6, e, i, h, "mma64e", True, True, True)
+
+    assert configs(1)[1].block_n == 128 and configs(512)[1].block_n == 128
+    monkeypatch.setattr(rx, "PRO_DOWN16_SMALL_BLOCK_N", 64)
+    down = configs(t)[1]
+    assert (down.kind, down.block_m, down.block_n, down.fold_sa, down.a_bf16) == ("swap", 16, 64, True, t > 1)
+    assert all(configs(u, 256, 2048, 4096)[1].block_n == 128 for u in (1, 2, 16))
+    rx._routed_configs.cache_clear()
     _, _, _, _, ids = _mma64_case(5)
-    e, (t, k) = 6, ids.shape
+    e, (n_tok, k) = 6, ids.shape
     a = moe_align(ids.int(), e, 0, 16)
     g = torch.Generator().manual_seed(9)
     wd, sd = _weights(e, 256, 384, g)
     hq, hs = ref.act_quant(torch.randn(a.max_rows, 384, generator=g).bfloat16() * 3)
-    sentinel = torch.full((t * k, 256), 7.0, dtype=torch.bfloat16)
+    sentinel = torch.full((n_tok * k, 256), 7.0, dtype=torch.bfloat16)
+    pairs = dict(a_pairs=bf16_pairs(hq, hs), a_pairs_scaled=True) if down.a_bf16 else {}
     ys = [mxfp4_grouped_gemm(hq, hs, to_mma64e(wd), sd, a, gather_a=False, scatter_out=True, layout="mma64e",
-                             config=dataclasses.replace(down, block_n=bn), out=sentinel.clone(),
-                             a_pairs=bf16_pairs(hq, hs), a_pairs_scaled=True) for bn in (64, 128)]
+                             config=dataclasses.replace(down, block_n=bn), out=sentinel.clone(), **pairs)
+          for bn in (64, 128)]
     assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16))
     other = ids.flatten() >= e                      # the route to another rank's expert: unwritten
     assert other.any() and (ys[0][other] == 7.0).all() and not (ys[0][~other] == 7.0).all(dim=1).any()
