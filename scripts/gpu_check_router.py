@@ -12,8 +12,8 @@ ids     route_topk (auto: GEMV logits for T <= GEMV_MAX_T, tensor-core logits to
         and hash routing: share of tokens whose ids differ, and whether each differing token
         is a near-tie; the logits' largest error over sum_k |x_k w_k| (GEMV, tensor-core
         kernel and cuBLAS), bounded by K * 2^-24.
-align   moe_align impl="small" (one launch; its pairwise form and, to 64 routes, the one-hot
-        form) == impl="chunked" (three) on the GPU, every output, T = 1..10 at Flash /
+align   moe_align impl="small" (one launch in its compare forms: pairwise and, to 64 routes,
+        one-hot) == impl="chunked" (three) on the GPU, every output, T = 1..10 at Flash /
         Pro-TP8 / EP shapes; and their CUDA-graph times.
 time    CUDA-graph replay, gate weights rotated over 32 copies (so the 60 MB L2 does not
         hold them): the session-4 router (cuBLAS + torch softplus/sqrt + top-k) against
@@ -23,8 +23,9 @@ topk    (not in the default parts) the top-k kernel's launch switches (router.TO
         TOPK_WARPS): route_topk bitwise the default and its graph time per variant.
 align_warps (not in the default parts; session 27) the one-launch alignment at 4 / 8 / 16 warps
         with a 128-route limit, T = 4-21: bitwise the three launches, and graph times.
-align_sorted (not in the default parts; session 27) the one-launch alignment's sorted form,
-        T = 1-42: bitwise the three launches, and graph times beside them and the default form.
+align_sorted (session 27; in the default parts since session 28, when it became moe_align's
+        default) the one-launch alignment's sorted form, T = 1-42: bitwise the three launches,
+        and graph times beside them and the compare form.
 Writes $OUT/router.json and prints one line per row.
 """
 from __future__ import annotations
@@ -353,7 +354,7 @@ def align_sorted(tokens=(1, 2, 4, 8, 10, 11, 12, 16, 21, 32, 42)):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="scores,ids,align,time")
+    ap.add_argument("--parts", default="scores,ids,align,align_sorted,time")
     ap.add_argument("--budget-s", type=float, default=200)
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64,256,1024", help="T of the timing part")
     args = ap.parse_args()
