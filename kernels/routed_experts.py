@@ -180,7 +180,12 @@ PRO_SWAP32_MIN_ROWS = 16.0
 # 0.7 %, never slower, so 112.
 PRO_UP16_CAP_MAX_ROWS = float("inf")
 PRO_UP16_MAXNREG = 112
-PRO_DOWN16_MAXNREG = 96
+# Session 29 (H200, gpu_profile_layer.py --weight-sets 4 --no-kernels --ab-captures 3 --presets
+# pro-tp8 --ab ...PRO_DOWN16_MAXNREG=96,64, medians of 3 captures, us, e2ca2ef; both bitwise the
+# default): on the 16 x 64 tiles below (72 registers under the 96 cap, 7 programs per SM; 63 under a
+# 64 cap, no stack, 0 SASS hazards offline, 8 per SM) T=4 65.8 -> 65.4, T=8 94.1 -> 93.2, T=16
+# 147.8 -> 146.5, T=32 267.5 -> 265.8: small, never slower, so 64.
+PRO_DOWN16_MAXNREG = 64
 # Weight rows per program (block_n) of that capped Pro-shaped 16-row down. NOTE (session 28, H200,
 # scripts/gpu_probe_swap_rows.py --presets pro-tp8 --gemms down --enc-variants, 3 interleaved
 # rounds, min, us, docs/bench/2026-11-30/session28/probe_swap_rows_downvar_d80e85f.txt; every
@@ -194,11 +199,12 @@ PRO_DOWN16_MAXNREG = 96
 PRO_DOWN16_BLOCK_N = 64
 # The same for the uncapped Pro-shaped 16-row down below PRO_DOWN16_SMALL_MAX_ROWS rows per local
 # expert (T = 1-3 at top-6 over 384 experts: 6-18 experts, 336-1008 programs on 16 x 128 tiles,
-# 2.5-7.6 per SM, each with three 128-k steps). Built in session 28 after its last H200 call:
-# NOT YET TIMED, so 128 (today's tile); 64 doubles the programs in flight, as the capped range
-# gained from. Same bits (only the N split changes; tested under the interpreter). A/B:
-# gpu_profile_layer.py --presets pro-tp8 --tokens 1,2,3 --ab dsv4_moe.kernels.routed_experts.PRO_DOWN16_SMALL_BLOCK_N=128,64
-PRO_DOWN16_SMALL_BLOCK_N = 128
+# 2.5-7.6 per SM, each with three 128-k steps); 64 doubles the programs in flight, as the capped
+# range gained from (66 registers, 0 hazards offline). Same bits (only the N split changes).
+# NOTE (session 29, H200, gpu_profile_layer.py --weight-sets 4 --no-kernels --ab-captures 3
+# --presets pro-tp8 --tokens 1,2,3 --ab ...PRO_DOWN16_SMALL_BLOCK_N=128,64, medians of 3 captures,
+# us, e2ca2ef; bitwise): T=1 32.8 / 32.7, T=2 45.9 / 44.3, T=3 59.1 / 58.6. So 64.
+PRO_DOWN16_SMALL_BLOCK_N = 64
 PRO_DOWN16_SMALL_MAX_ROWS = 1.0
 # Rows per local expert from which the Pro-shaped (I <= 1024) short-K down on 16-row blocks takes
 # its activations as bf16 pairs (swiglu_quant writes them; same bits as fp8). NOTE (session 24,

@@ -510,8 +510,8 @@ def test_mma64e_bodies_bitwise_mma64(kind, bm, bn, split, fold):
 @pytest.mark.parametrize("t", [16, 1])
 def test_pro_down_block_n_same_bits(monkeypatch, t):
     """routed_experts.PRO_DOWN16_BLOCK_N (session 28: 16 x 64 tiles for the capped Pro-shaped
-    16-row down, T = 4-511) and PRO_DOWN16_SMALL_BLOCK_N (the uncapped one at T = 1-3; 128 until
-    timed): those configs on "mma64e" weights give the 16 x 128 config's bits (only the N split
+    16-row down, T = 4-511) and PRO_DOWN16_SMALL_BLOCK_N (the uncapped one at T = 1-3; 64 since
+    session 29): those configs on "mma64e" weights give the 16 x 128 config's bits (only the N split
     changes), scattered, K = 384, non-local slots unwritten; the switches reach the configs and
     leave the Flash-shaped down alone."""
     from dsv4_moe.kernels import routed_experts as rx
@@ -522,7 +522,9 @@ def test_pro_down_block_n_same_bits(monkeypatch, t):
         rx._routed_configs.cache_clear()
         return rx._routed_configs(t * 6, e, i, h, "mma64e", True, True, True)
 
-    assert configs(1)[1].block_n == 128 and configs(512)[1].block_n == 128
+    assert configs(1)[1].block_n == 64 and configs(512)[1].block_n == 128
+    monkeypatch.setattr(rx, "PRO_DOWN16_SMALL_BLOCK_N", 128)
+    assert configs(1)[1].block_n == 128
     monkeypatch.setattr(rx, "PRO_DOWN16_SMALL_BLOCK_N", 64)
     down = configs(t)[1]
     assert (down.kind, down.block_m, down.block_n, down.fold_sa, down.a_bf16) == ("swap", 16, 64, True, t > 1)
@@ -1119,9 +1121,9 @@ def test_a_pad_rows_same_bits(monkeypatch, kind):
     ("UP_SPLIT_PAIRS", False, lambda fl, pro: not fl(1)[0].a_bf16 and not pro(4)[0].a_bf16 and fl(2)[0].a_bf16),
     ("UP_PAIRS_MIN_ROWS", 0.05, lambda fl, pro: not fl(2)[0].a_bf16 and fl(3)[0].a_bf16),
     ("PRO_DOWN_PAIRS_MIN_ROWS", 0.0, lambda fl, pro: pro(1)[1].a_bf16 and pro(16)[1].a_bf16
-                                                     and pro(16)[1].maxnreg == 96 and pro(16)[1].unroll == 2),
+                                                     and pro(16)[1].maxnreg == 64 and pro(16)[1].unroll == 2),
     ("PRO_DOWN_PAIRS_MIN_ROWS", float("inf"), lambda fl, pro: not pro(4)[1].a_bf16 and not pro(16)[1].a_bf16
-                                                              and pro(16)[1].maxnreg == 96),
+                                                              and pro(16)[1].maxnreg == 64),
 ])
 def test_session23_config_switches(monkeypatch, name, value, check):
     import dsv4_moe.kernels.routed_experts as rx
@@ -1130,11 +1132,11 @@ def test_session23_config_switches(monkeypatch, name, value, check):
         return lambda t: rx._routed_configs(t * 6, e, i, h, "mma64e", True, True, True)
     fl, pro = cfgs(256, 2048, 4096), cfgs(384, 384, 7168)
     # the defaults: Flash down on pairs from T = 2, both Flash 16-row caps, Pro-TP8 down on pairs
-    # from T = 4 (session 24; fp8 below), its 16-row cap 96 (session 25)
+    # from T = 4 (session 24; fp8 below), its 16-row cap 64 (session 29; 96 in session 25)
     rx._routed_configs.cache_clear()
     assert fl(4)[1].a_bf16 and fl(16)[1].maxnreg == 128 and fl(4)[0].maxnreg == 128
     assert not pro(1)[1].a_bf16 and not pro(3)[1].a_bf16
-    assert pro(4)[1].a_bf16 and pro(16)[1].a_bf16 and pro(16)[1].maxnreg == 96 and pro(16)[1].unroll == 2
+    assert pro(4)[1].a_bf16 and pro(16)[1].a_bf16 and pro(16)[1].maxnreg == 64 and pro(16)[1].unroll == 2
     monkeypatch.setattr(rx, name, value)
     rx._routed_configs.cache_clear()
     try:
