@@ -72,12 +72,17 @@ SHORT_K_DECODE_SPLIT_MAX_ROWS = 0.03
 # so the bands are 0.1 / 0.2 (was 0.1 / none) and 0.03 (was 0.05). The split-4 band only for
 # N <= LONG_K_SPLIT_MID_MAX_N (the Pro-TP8 gate_up, N = 768): the Pro-TP1 layer (gate_up N =
 # 6144, 8x the programs) at T = 8 took 549.6 us with it against 527.4 without (one run each).
+# Session 29 (H200, gpu_profile_layer.py --weight-sets 4 --no-kernels --ab-captures 3, layer
+# forwards, medians of 3 captures, us; docs/bench/2026-11-30/session29/): LONG_K_SPLIT 8 -> 7
+# (the per-GEMM probe had 7 at 1.15x on L2-warm weights) Pro-TP8 T=1 32.5 -> 33.5, T=2 44.7 ->
+# 45.3, T=3 59.2 -> 59.3: stays 8. MID_K_SPLIT 4 -> 2 (probe 1.03x) Flash T=1 55.6 -> 55.2
+# (captures 55.5 / 55.6 / 55.6 against 55.2 / 54.9 / 55.3; the layer output bitwise): 2.
 LONG_K_SPLIT = 8
 LONG_K_SPLIT_MAX_ROWS = 0.1
 LONG_K_SPLIT_MID = 4
 LONG_K_SPLIT_MID_MAX_ROWS = 0.2
 LONG_K_SPLIT_MID_MAX_N = 2048
-MID_K_SPLIT = 4
+MID_K_SPLIT = 2
 MID_K_SPLIT_MAX_ROWS = 0.03
 
 __all__ = ["GemmConfig", "select_config", "gemv_config", "mxfp4_grouped_gemm", "split_parts"]
@@ -262,8 +267,16 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
                        align: MoeAlignment, *, gather_a: bool, scatter_out: bool,
                        out: torch.Tensor | None = None, config: GemmConfig | None = None,
                        layout: str = "nk", a_pairs: torch.Tensor | None = None,
-                       a_pairs_scaled: bool = False, reduce: bool = True) -> torch.Tensor:
+                       a_pairs_scaled: bool = False, reduce: bool = True,
+                       prefetch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Grouped W4A8 GEMM over the blocks of `align`; see the module docstring for layouts.
+
+    `prefetch` (optional): (w4, sw) of the GEMM that runs next over the same alignment (the
+    down's, given to the gate_up), [E_local, ...] each: the programs of every expert's first
+    block pull that expert's slices into L2 as they start (`cp.async.bulk.prefetch.L2`, a hint:
+    no value depends on it), so the next GEMM's weight loads hit L2. Swap bodies on CUDA only;
+    elsewhere (the interpreter, the GEMV and tile bodies) it is ignored. See
+    routed_experts.PREFETCH_DOWN_MAX_MB for when the layer asks for it.
 
     `reduce=False` (only for a config that splits K, `split_parts(config, K) > 1`): return
     the fp32 partials [P, R, N] by route instead of `out` - each local route's output row is
@@ -355,8 +368,9 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
                          f"(got layout={layout!r}, asm={cfg.asm}): only that body is measured and checked in "
                          f"SASS (scripts/sass_wgmma_hazard.py) against ptxas < 13.3 reusing an in-flight "
                          f"wgmma's registers")
+    pf = _prefetch_args(prefetch, e_local, q.device) if prefetch is not None else None
     if cfg.kind != "tile":
-        return _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz, enc, reduce)
+        return _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz, enc, reduce, pf)
     grid = (align.max_blocks, triton.cdiv(n, cfg.block_n))
     _mxfp4_grouped_gemm_kernel[grid](
         q, sa, w4, sw, out,
@@ -410,7 +424,30 @@ def split_parts(config: GemmConfig, k: int) -> int:
     return _split_shape(config.split_k, k)[0] if config.fold_sa else -(-k // 128)
 
 
-def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz, enc=False, reduce=True):
+def _prefetch_args(prefetch, e_local: int, device: torch.device) -> tuple:
+    """(w4, sw) of `prefetch` checked and viewed as bytes: ((tensor, bytes per expert) x 2)."""
+    if not isinstance(prefetch, tuple) or len(prefetch) != 2:
+        raise ValueError(f"prefetch: expected a (w4, sw) tuple of the next GEMM's weights, got {type(prefetch).__name__}")
+    out = []
+    for name, ten in zip(("prefetch[0] (w4)", "prefetch[1] (sw)"), prefetch):
+        if not isinstance(ten, torch.Tensor) or ten.dim() < 2 or ten.shape[0] != e_local:
+            _fail(name, ten, f"an [{e_local}, ...] tensor (one slice per local expert)")
+        if ten.device != device:
+            raise ValueError(f"{name}: on {ten.device}, expected q's device {device}")
+        if not ten.is_contiguous():
+            raise ValueError(f"{name}: stride {tuple(ten.stride())} is not contiguous (each expert's bytes "
+                             f"must be one run to prefetch)")
+        b = ten.view(torch.uint8) if ten.element_size() == 1 else ten.view(torch.uint8).view(e_local, -1)
+        per = b[0].numel()
+        if per % 16 or b.data_ptr() % 16:
+            raise ValueError(f"{name}: {per} bytes per expert at address {b.data_ptr()}: the L2 bulk prefetch "
+                             f"needs a multiple of 16 bytes, 16-byte aligned")
+        out.append((b, per))
+    return tuple(out)
+
+
+def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz, enc=False, reduce=True,
+                  pf=None):
     """The "swap" and "gemv" bodies, optionally split over K with an ordered reduction
     (reduce=False: the partials are returned unreduced)."""
     import triton  # noqa: PLC0415
@@ -438,7 +475,13 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
                   ASM=cfg.asm and not interpreting(),
                   num_warps=cfg.num_warps, **_launch_opts(cfg), **pdl_options(out.device))
     if cfg.kind == "swap":
-        _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, W_SWZ=swz, W_ENC=enc, A_BF16=cfg.a_bf16,
+        threads = 32 * cfg.num_warps if pf is not None and not interpreting() else 0
+        slots = triton.cdiv(n, cfg.block_n) * splits
+        (pw, pw_bytes), (ps, ps_bytes) = pf if threads else ((w4, 0), (sw, 0))
+        pf_args = dict(pf_w_ptr=pw, pf_s_ptr=ps, pf_w_stride=pw_bytes, pf_s_stride=ps_bytes, pf_w_bytes=pw_bytes,
+                       pf_s_bytes=ps_bytes, pf_piece_w=16 * triton.cdiv(pw_bytes, 16 * slots * max(threads, 1)),
+                       pf_piece_s=16 * triton.cdiv(ps_bytes, 16 * slots * max(threads, 1)), PREFETCH=threads)
+        _mxfp4_grouped_gemm_swap_kernel[grid](*args, **pf_args, BLOCK_M=cfg.block_m, W_SWZ=swz, W_ENC=enc, A_BF16=cfg.a_bf16,
                                               DIAG=cfg.diag, LOOP_UNROLL=cfg.unroll, FOLD_SA=cfg.fold_sa,
                                               FOLD_WAIT=cfg.fold_order == "wait", N_FASTEST=cfg.n_fastest,
                                               A_PAD=A_PAD_ROWS, **common)
