@@ -258,24 +258,6 @@ def _mxfp4_grouped_gemm_kernel(
 
 
 @triton.jit
-def _l2_prefetch(ptr, nbytes):
-    """cp.async.bulk.prefetch.L2 of nbytes (a multiple of 16, 16-byte aligned; <= 0: nothing)
-    at ptr, per element: a hint to the memory system, no register or value changes."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _l2_prefetch_slice(base, nbytes, piece, slot, THREADS: tl.constexpr):
-    """Program `slot`'s share of an L2 prefetch of bytes [0, nbytes) at base: THREADS pieces of
-    `piece` bytes, one per thread, from byte (slot * THREADS) * piece (the host sizes `piece` so
-    that all slots together cover nbytes)."""
-    off = (slot * THREADS + tl.arange(0, THREADS)).to(tl.int64) * piece
-    _l2_prefetch(base + off, tl.minimum(tl.maximum(nbytes - off, 0), piece).to(tl.int32))
-
-
-@triton.jit
 def _mxfp4_grouped_gemm_swap_kernel(
     a_ptr, sa_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr,
     sorted_ids_ptr, block_expert_ptr, num_blocks_ptr,
@@ -284,10 +266,6 @@ def _mxfp4_grouped_gemm_swap_kernel(
     stride_we, stride_wn,
     stride_swe, stride_swn,
     stride_om,
-    # PREFETCH: the next GEMM's packed weights and scales of this block's expert (the down's, from
-    # the gate_up): [E, ...] tensors, pf_*_stride bytes apart per expert, pf_*_bytes of each pulled
-    # into L2 by the programs of the expert's first block, pf_piece_* bytes per thread
-    pf_w_ptr, pf_s_ptr, pf_w_stride, pf_s_stride, pf_w_bytes, pf_s_bytes, pf_piece_w, pf_piece_s,
     A_GATHER: tl.constexpr, OUT_SCATTER: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
     KB_PER: tl.constexpr,       # 128-wide K blocks per program (all of them when not split)
@@ -306,7 +284,6 @@ def _mxfp4_grouped_gemm_swap_kernel(
     FOLD_WAIT: tl.constexpr = True,  # folded: wait on each block's MMAs (GemmConfig.fold_order "wait"), else "split"
     N_FASTEST: tl.constexpr = False,  # grid (N blocks, M blocks, splits) instead of (M, N, splits)
     A_PAD: tl.constexpr = 1,  # the A row a padding row reads (_a_rows; mxfp4_grouped_gemm.A_PAD_ROWS)
-    PREFETCH: tl.constexpr = 0,  # threads per program issuing the pf_* prefetch (0: none); a hint only
 ):
     """Swapped operands: out^T[n, rows] = W[n, k] . A^T[k, rows]. The dequantised weight
     tile is the MMA's first operand (kept in registers on Hopper: no shared-memory round
@@ -331,14 +308,6 @@ def _mxfp4_grouped_gemm_swap_kernel(
     if pid_m >= tl.load(num_blocks_ptr):
         return
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    if PREFETCH > 0:
-        if (pid_m == 0) | (tl.load(block_expert_ptr + tl.maximum(pid_m - 1, 0)) != e):
-            if N_FASTEST:
-                slot = pid_k * tl.num_programs(0) + pid_n
-            else:
-                slot = pid_k * tl.num_programs(1) + pid_n
-            _l2_prefetch_slice(pf_w_ptr + e * pf_w_stride, pf_w_bytes, pf_piece_w, slot, PREFETCH)
-            _l2_prefetch_slice(pf_s_ptr + e * pf_s_stride, pf_s_bytes, pf_piece_s, slot, PREFETCH)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     route = tl.load(sorted_ids_ptr + rows)
     row_ok = route < R

@@ -267,16 +267,8 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
                        align: MoeAlignment, *, gather_a: bool, scatter_out: bool,
                        out: torch.Tensor | None = None, config: GemmConfig | None = None,
                        layout: str = "nk", a_pairs: torch.Tensor | None = None,
-                       a_pairs_scaled: bool = False, reduce: bool = True,
-                       prefetch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                       a_pairs_scaled: bool = False, reduce: bool = True) -> torch.Tensor:
     """Grouped W4A8 GEMM over the blocks of `align`; see the module docstring for layouts.
-
-    `prefetch` (optional): (w4, sw) of the GEMM that runs next over the same alignment (the
-    down's, given to the gate_up), [E_local, ...] each: the programs of every expert's first
-    block pull that expert's slices into L2 as they start (`cp.async.bulk.prefetch.L2`, a hint:
-    no value depends on it), so the next GEMM's weight loads hit L2. Swap bodies on CUDA only;
-    elsewhere (the interpreter, the GEMV and tile bodies) it is ignored. See
-    routed_experts.PREFETCH_DOWN_MAX_MB for when the layer asks for it.
 
     `reduce=False` (only for a config that splits K, `split_parts(config, K) > 1`): return
     the fp32 partials [P, R, N] by route instead of `out` - each local route's output row is
@@ -368,9 +360,8 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
                          f"(got layout={layout!r}, asm={cfg.asm}): only that body is measured and checked in "
                          f"SASS (scripts/sass_wgmma_hazard.py) against ptxas < 13.3 reusing an in-flight "
                          f"wgmma's registers")
-    pf = _prefetch_args(prefetch, e_local, q.device) if prefetch is not None else None
     if cfg.kind != "tile":
-        return _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz, enc, reduce, pf)
+        return _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz, enc, reduce)
     grid = (align.max_blocks, triton.cdiv(n, cfg.block_n))
     _mxfp4_grouped_gemm_kernel[grid](
         q, sa, w4, sw, out,
@@ -424,30 +415,7 @@ def split_parts(config: GemmConfig, k: int) -> int:
     return _split_shape(config.split_k, k)[0] if config.fold_sa else -(-k // 128)
 
 
-def _prefetch_args(prefetch, e_local: int, device: torch.device) -> tuple:
-    """(w4, sw) of `prefetch` checked and viewed as bytes: ((tensor, bytes per expert) x 2)."""
-    if not isinstance(prefetch, tuple) or len(prefetch) != 2:
-        raise ValueError(f"prefetch: expected a (w4, sw) tuple of the next GEMM's weights, got {type(prefetch).__name__}")
-    out = []
-    for name, ten in zip(("prefetch[0] (w4)", "prefetch[1] (sw)"), prefetch):
-        if not isinstance(ten, torch.Tensor) or ten.dim() < 2 or ten.shape[0] != e_local:
-            _fail(name, ten, f"an [{e_local}, ...] tensor (one slice per local expert)")
-        if ten.device != device:
-            raise ValueError(f"{name}: on {ten.device}, expected q's device {device}")
-        if not ten.is_contiguous():
-            raise ValueError(f"{name}: stride {tuple(ten.stride())} is not contiguous (each expert's bytes "
-                             f"must be one run to prefetch)")
-        b = ten.view(torch.uint8) if ten.element_size() == 1 else ten.view(torch.uint8).view(e_local, -1)
-        per = b[0].numel()
-        if per % 16 or b.data_ptr() % 16:
-            raise ValueError(f"{name}: {per} bytes per expert at address {b.data_ptr()}: the L2 bulk prefetch "
-                             f"needs a multiple of 16 bytes, 16-byte aligned")
-        out.append((b, per))
-    return tuple(out)
-
-
-def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz, enc=False, reduce=True,
-                  pf=None):
+def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz, enc=False, reduce=True):
     """The "swap" and "gemv" bodies, optionally split over K with an ordered reduction
     (reduce=False: the partials are returned unreduced)."""
     import triton  # noqa: PLC0415
@@ -475,13 +443,7 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
                   ASM=cfg.asm and not interpreting(),
                   num_warps=cfg.num_warps, **_launch_opts(cfg), **pdl_options(out.device))
     if cfg.kind == "swap":
-        threads = 32 * cfg.num_warps if pf is not None and not interpreting() else 0
-        slots = triton.cdiv(n, cfg.block_n) * splits
-        (pw, pw_bytes), (ps, ps_bytes) = pf if threads else ((w4, 0), (sw, 0))
-        pf_args = dict(pf_w_ptr=pw, pf_s_ptr=ps, pf_w_stride=pw_bytes, pf_s_stride=ps_bytes, pf_w_bytes=pw_bytes,
-                       pf_s_bytes=ps_bytes, pf_piece_w=16 * triton.cdiv(pw_bytes, 16 * slots * max(threads, 1)),
-                       pf_piece_s=16 * triton.cdiv(ps_bytes, 16 * slots * max(threads, 1)), PREFETCH=threads)
-        _mxfp4_grouped_gemm_swap_kernel[grid](*args, **pf_args, BLOCK_M=cfg.block_m, W_SWZ=swz, W_ENC=enc, A_BF16=cfg.a_bf16,
+        _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, W_SWZ=swz, W_ENC=enc, A_BF16=cfg.a_bf16,
                                               DIAG=cfg.diag, LOOP_UNROLL=cfg.unroll, FOLD_SA=cfg.fold_sa,
                                               FOLD_WAIT=cfg.fold_order == "wait", N_FASTEST=cfg.n_fastest,
                                               A_PAD=A_PAD_ROWS, **common)

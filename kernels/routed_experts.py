@@ -255,32 +255,6 @@ FLASH_DOWN_PAIRS_MIN_ROWS = 0.0
 # (130-133 registers without, offline sm_90a) was slower: Pro-TP8 T=1 48.3 / 48.8.
 UP_PAIRS_MIN_ROWS = 0.0
 UP_SPLIT_PAIRS = True
-# The gate_up's programs pull their expert's down weights and scales into L2 as they start
-# (mxfp4_grouped_gemm(prefetch=...), a hint: same bits) when the down's weights of all experts
-# the forward can hit (min(T * top_k, local experts) x bytes per expert) fit in this many MB
-# (0: never). The decode gate_up is latency-bound (1.6-2.4 TB/s at Pro-TP8 T = 2-4), so the
-# DRAM has room for the down's bytes beside it, and the down then reads L2.
-PREFETCH_DOWN_MAX_MB = 0.0
-
-
-def prefetch_down(num_routes: int, routed: RoutedExpertWeights, cfg_up: GemmConfig) -> bool:
-    """Whether the gate_up (config cfg_up) prefetches the down's weights into L2
-    (PREFETCH_DOWN_MAX_MB; swap bodies on contiguous weights only)."""
-    if PREFETCH_DOWN_MAX_MB <= 0 or cfg_up.kind != "swap" or routed.down.device.type != "cuda":
-        return False
-    if not (routed.down.is_contiguous() and routed.down_scale.is_contiguous()):
-        return False
-    if routed.down.data_ptr() % 16 or routed.down_scale.data_ptr() % 16:
-        return False   # the bulk prefetch moves 16-byte-aligned multiples of 16 bytes
-    return prefetch_fits(num_routes, routed.num_local, routed.down[0].numel(), routed.down_scale[0].numel())
-
-
-def prefetch_fits(num_routes: int, num_local: int, w_bytes: int, s_bytes: int) -> bool:
-    """PREFETCH_DOWN_MAX_MB's rule on the down's bytes per expert (packed codes, scales; each a
-    multiple of 16, as the bulk prefetch needs) and the most experts num_routes can hit."""
-    if PREFETCH_DOWN_MAX_MB <= 0 or w_bytes % 16 or s_bytes % 16:
-        return False
-    return min(num_routes, num_local) * (w_bytes + s_bytes) <= PREFETCH_DOWN_MAX_MB * 1e6
 
 
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
@@ -570,8 +544,7 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
                             gather_a=True, scatter_out=False, config=cfg_up, layout=routed.layout,
                             a_pairs=q_pairs if cfg_up.a_bf16 else None,
                             a_pairs_scaled=cfg_up.fold_sa and cfg_up.a_bf16 and q_pairs is not None,
-                            reduce=not partials,
-                            prefetch=(routed.down, routed.down_scale) if prefetch_down(t * k, routed, cfg_up) else None)
+                            reduce=not partials)
     # NOTE (session 13): from SWIGLU_ROUTE_LIST_MIN_ROUTES routes the SwiGLU-quant works on the
     # route list (align.route_rows: the GEMM row of each local route), not on the
     # alignment's max_rows rows - at decode most of those are block padding (Flash T = 16:

@@ -121,7 +121,7 @@ def compile_swap(consts: dict, num_warps: int = 4, maxnreg: int | None = None, k
     names = fn.arg_names
     ptr = {"a_ptr": "*bf16" if consts.get("A_BF16") else "*fp8e4nv", "sa_ptr": "*fp32", "w_ptr": "*u8",
            "sw_ptr": "*u8", "out_ptr": "*bf16", "ws_ptr": "*fp32", "sorted_ids_ptr": "*i32",
-           "block_expert_ptr": "*i32", "num_blocks_ptr": "*i32", "pf_w_ptr": "*u8", "pf_s_ptr": "*u8"}
+           "block_expert_ptr": "*i32", "num_blocks_ptr": "*i32"}
     consts = {k: v for k, v in consts.items() if k in names}
     sig = {n: ("constexpr" if n in consts else ptr.get(n, "i32")) for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
@@ -167,8 +167,7 @@ def config_constexprs(cfg, k: int, gather: bool) -> dict:
                 SELECT_SUBNORMAL=False, ASM=cfg.asm and (cfg.kind == "swap" or cfg.scale_bcast), W_SWZ=True,
                 A_BF16=cfg.a_bf16, DIAG=0, LOOP_UNROLL=cfg.unroll, PDL=1, FOLD_SA=cfg.fold_sa,
                 A_SPLIT=cfg.a_split, W_KN=cfg.w_kn, SCALE_BCAST=cfg.scale_bcast,
-                FOLD_WAIT=cfg.fold_order == "wait", N_FASTEST=cfg.n_fastest, W_ENC=False, A_PAD=_a_pad(),
-                PREFETCH=0)
+                FOLD_WAIT=cfg.fold_order == "wait", N_FASTEST=cfg.n_fastest, W_ENC=False, A_PAD=_a_pad())
 
 
 def _a_pad() -> int:

@@ -1145,37 +1145,3 @@ def test_session23_config_switches(monkeypatch, name, value, check):
         monkeypatch.undo()
         rx._routed_configs.cache_clear()
 
-
-def test_prefetch_guards_rule_and_same_bits(monkeypatch):
-    """mxfp4_grouped_gemm(prefetch=(w4, sw)) (session 29: the gate_up pulls the down's weights of
-    its experts into L2): bad tuples are refused by name; on the interpreter the hint is off and
-    the output is the plain launch's, bit for bit; routed_experts.prefetch_fits is the
-    PREFETCH_DOWN_MAX_MB rule on the most experts a forward can hit."""
-    from dsv4_moe.kernels import routed_experts as rx
-
-    g = torch.Generator().manual_seed(3)
-    w, s = _weights(4, 64, 512, g)
-    wd, sd = _weights(4, 512, 64, g)                       # the "down" of these 4 experts
-    q, sa = ref.act_quant(torch.randn(3, 512, generator=g).bfloat16())
-    a = moe_align(torch.tensor([[0, 1], [1, 3], [2, 5]], dtype=torch.int32), 4, 0, 16)
-    cfg = GemmConfig(16, 64, 4, 2, kind="swap", split_k=2)
-    with pytest.raises(ValueError, match="prefetch: expected a \\(w4, sw\\) tuple"):
-        mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=cfg, prefetch=wd)
-    with pytest.raises(ValueError, match=r"prefetch\[0\] \(w4\)"):
-        mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=cfg, prefetch=(wd[:3], sd))
-    with pytest.raises(ValueError, match=r"prefetch\[1\] \(sw\): stride"):
-        mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=cfg,
-                           prefetch=(wd, sd.transpose(1, 2)))
-    plain = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=cfg)
-    hinted = mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False, config=cfg, prefetch=(wd, sd))
-    rows = a.route_rows.long()
-    rows = rows[rows >= 0]                                  # the route to expert 5 is another rank's
-    assert rows.numel() == 5 and torch.equal(plain[rows].view(torch.int16), hinted[rows].view(torch.int16))
-    pro_w, pro_s = 7168 * 192, 7168 * 12                  # Pro-TP8 down bytes per expert: 1.46 MB
-    monkeypatch.setattr(rx, "PREFETCH_DOWN_MAX_MB", 0.0)
-    assert not rx.prefetch_fits(6, 384, pro_w, pro_s)
-    monkeypatch.setattr(rx, "PREFETCH_DOWN_MAX_MB", 20.0)
-    assert rx.prefetch_fits(6, 384, pro_w, pro_s) and rx.prefetch_fits(12, 384, pro_w, pro_s)
-    assert not rx.prefetch_fits(18, 384, pro_w, pro_s)    # 26.3 MB
-    assert rx.prefetch_fits(600, 8, pro_w, pro_s)         # at most the 8 local experts
-    assert not rx.prefetch_fits(6, 384, pro_w + 8, pro_s)  # not a multiple of 16 bytes
