@@ -690,7 +690,7 @@ def test_mma64_guards_and_select_config():
         [False, True, True, True, True, True, True]
     assert [routed_configs(t * 6, flash)[0].a_bf16 for t in (1, 2, 4, 16, 1024)] == [True] * 5
     assert [(c.split_k, c.maxnreg) for c in (routed_configs(t * 6, flash)[0] for t in (1, 2, 3))] == \
-        [(4, None), (1, 128), (1, 128)]
+        [(2, None), (1, 128), (1, 128)]   # T = 1 split 2 ways (session 29; 4 before)
     # the Flash 32-row down: unrolled twice per-block, rolled when folded (the default since session 17)
     assert routed_configs(1024 * 6, flash)[1].unroll == 1 and routed_configs(1024 * 6, flash)[1].block_m == 32
     # session 18: from 40 rows per expert (session 19: 36; session 20: 40 again, T >= 1707) both
