@@ -24,7 +24,7 @@ scripts/gpu_check_layer.py on the GPU.
 import triton
 import triton.language as tl
 
-from ._moe_align import _align_small_body
+from ._moe_align import _align_small_body, _align_sorted_body
 from ._router import _logits_tile, _topk_tokens
 from ._triton_utils import e4m3_bytes_to_bf16, pdl_enter, quant_group_tile, split_k_arrive, split_k_reset
 
@@ -49,6 +49,7 @@ def _route_front_kernel(
     MB_PAD: tl.constexpr,
     DIAG: tl.constexpr = 0,  # probes only (wrong results): 1 = no routing / alignment, 2 = no quant
     PDL: tl.constexpr = 0,
+    SORTED: tl.constexpr = False,  # the alignment by sorting (moe_align's default form), else the compares
 ):
     pdl_enter(PDL)
     pid_e = tl.program_id(0)
@@ -90,8 +91,14 @@ def _route_front_kernel(
                          T, E, stride_l, stride_tab, scale,
                          TOP_K, K_PAD, E_PAD, T_PAD, HAS_BIAS, HASH, False)
             tl.debug_barrier()
-            _align_small_body(topk_ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, expert_offsets_ptr,
-                              num_blocks_ptr, sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_weight_ptr,
-                              T * TOP_K, first_expert, num_local, max_blocks,
-                              True, R_BLOCK, BLOCK_M, E_PAD_A, ROWS_PAD, MB_PAD)
+            if SORTED:
+                _align_sorted_body(topk_ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, expert_offsets_ptr,
+                                   num_blocks_ptr, sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_weight_ptr,
+                                   T * TOP_K, first_expert, num_local, max_blocks,
+                                   True, R_BLOCK, BLOCK_M, E_PAD_A, ROWS_PAD, MB_PAD)
+            else:
+                _align_small_body(topk_ids_ptr, topk_w_ptr, route_rows_ptr, expert_counts_ptr, expert_offsets_ptr,
+                                  num_blocks_ptr, sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_weight_ptr,
+                                  T * TOP_K, first_expert, num_local, max_blocks,
+                                  True, R_BLOCK, BLOCK_M, E_PAD_A, ROWS_PAD, MB_PAD)
         split_k_reset(cnt_ptr)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from . import moe_align as moe_align_mod
 from .moe_align import SMALL_MAX_ROWS, align_sizes, check_align_args, new_alignment
 from .router import GEMV_MAX_T, check_route_args, gemv_blocks
 
@@ -98,6 +99,8 @@ def route_front(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     q_pairs = torch.empty((t, h), dtype=torch.bfloat16, device=dev) if pairs else None
     align = new_alignment(r, top_k, num_local, block_m, dev)
     max_blocks, max_rows = align.max_blocks, align.max_rows
+    # the last program aligns in moe_align's default form (session 29: by sorting where it would)
+    sorted_align = moe_align_mod.SMALL_SORTED and r <= moe_align_mod.SORTED_MAX_ROUTES
     bt, be, bh, warps = gemv_blocks(t, h)
     warps = _warps or warps  # probes only (scripts/gpu_check_front_pairs.py)
     grid = (triton.cdiv(e, be), triton.cdiv(t, bt))
@@ -126,6 +129,7 @@ def route_front(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         R_BLOCK=max(2, triton.next_power_of_2(r)), BLOCK_M=block_m,
         E_PAD_A=max(triton.next_power_of_2(num_local), 64),
         ROWS_PAD=triton.next_power_of_2(max_rows), MB_PAD=triton.next_power_of_2(max_blocks),
+        SORTED=sorted_align,
         num_warps=warps,
         # NOTE: libdevice without flush-to-zero, as route_topk (kernels/router.py says why)
         enable_reflect_ftz=False,

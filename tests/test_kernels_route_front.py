@@ -51,7 +51,13 @@ _FIELDS = ("sorted_route_ids", "block_expert", "num_valid_blocks", "expert_offse
     (2, 256, 64, 6, 64, 0, 16, "scaled", False),  # scaled pairs (GemmConfig.fold_sa's operand)
     (4, 320, 32, 6, 32, 0, 16, False, False),     # H not a multiple of 128 (partial last group)
 ])
-def test_front_bitwise_separate(t, h, e, k, num_local, first, block_m, pairs, hashed):
+@pytest.mark.parametrize("sorted_align", [True, False])
+def test_front_bitwise_separate(monkeypatch, t, h, e, k, num_local, first, block_m, pairs, hashed, sorted_align):
+    """The last program aligns by sorting (moe_align.SMALL_SORTED, session 29) or by the compares;
+    the separate moe_align follows the same switch, and both forms give the same alignment."""
+    from dsv4_moe.kernels import moe_align as moe_align_mod
+
+    monkeypatch.setattr(moe_align_mod, "SMALL_SORTED", sorted_align)
     g = torch.Generator().manual_seed(t * 100 + h)
     x = torch.randn(t, h, generator=g).bfloat16()
     x[0, :7] = 0.0  # a group with zeros; the amax floor is exercised by an all-zero group below
