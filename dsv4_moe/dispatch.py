@@ -111,10 +111,6 @@ _SIDE_STREAM: contextvars.ContextVar = contextvars.ContextVar("dsv4_moe_side_str
 # Override of shared_split_policy for every overlapped forward: -1 follows the rule; >= 0 is the
 # split-K target (programs per SM, 0: no split) of the shared expert's decode GEMMs. A/B switch.
 SHARED_SPLIT_K_PROGRAMS_PER_SM = -1
-# Up to this many tokens the decode front runs in one launch (the "fused" front path,
-# kernels/route_front.py) where it is supported; 0: never unless forced. An A/B switch
-# (session 29: the front's last program now aligns by sorting, as moe_align does).
-FRONT_FUSED_MAX_T = 0
 
 
 @contextlib.contextmanager

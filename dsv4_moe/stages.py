@@ -161,8 +161,6 @@ def front_quant_in_logits_supported(ctx: DispatchContext):
     router = _kernel("router")
     if not router.QUANT_IN_LOGITS:
         return False, "switched off (kernels/router.py QUANT_IN_LOGITS)"
-    if _front_fused_preferred(ctx):
-        return False, f"T = {ctx.num_tokens} <= dispatch.FRONT_FUSED_MAX_T: the one-launch front is preferred"
     for stage in ("router", "act_quant"):
         chosen = dispatch.plan_stage(stage, ctx).chosen.name
         if chosen != "triton":
@@ -191,19 +189,9 @@ def front_separate_preferred(ctx: DispatchContext):
     # front kernel saves three launches but its last program's serial top-k + alignment (4-9 us,
     # scripts/gpu_probe_front.py) costs what they cost; the 4-12 % gains of the un-rotated
     # A/B (profile_layer_front_ab_*.txt) did not hold in the bench. So the separate launches
-    # stay the default and the fused front is taken only when forced (or up to
-    # dispatch.FRONT_FUSED_MAX_T tokens, 0 by default: an A/B switch).
-    if _front_fused_preferred(ctx):
-        return False, f"T = {ctx.num_tokens} <= dispatch.FRONT_FUSED_MAX_T: the one-launch front is preferred"
+    # stay the default and the fused front is taken only when forced.
     return True, ("router, act_quant and the routed alignment as separate launches (the one-launch front "
                   "measured level in the H200 layer bench; force_paths(front='fused') takes it)")
-
-
-def _front_fused_preferred(ctx: DispatchContext) -> bool:
-    """The one-launch front is supported here and T <= dispatch.FRONT_FUSED_MAX_T."""
-    from . import dispatch  # noqa: PLC0415
-
-    return ctx.num_tokens <= dispatch.FRONT_FUSED_MAX_T and front_fused_supported(ctx)[0]
 
 
 def front_separate(ctx, x, router, input_ids, top_k, scale, routed, pairs):

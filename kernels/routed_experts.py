@@ -206,10 +206,9 @@ PRO_DOWN16_BLOCK_N = 64
 # us, e2ca2ef; bitwise): T=1 32.8 / 32.7, T=2 45.9 / 44.3, T=3 59.1 / 58.6. So 64.
 PRO_DOWN16_SMALL_BLOCK_N = 64
 PRO_DOWN16_SMALL_MAX_ROWS = 1.0
-# ... and its register cap (0: none; it compiles to 66 registers, 7 programs per SM; a 64 cap to
-# 64, no stack, 0 hazards offline on sm_90a: 8 per SM). An A/B switch, untimed until session 29's
-# last call.
-PRO_DOWN16_SMALL_MAXNREG = 0
+# A 64-register cap on it (66 -> 64 registers, no stack, 0 hazards offline: 8 programs per SM
+# instead of 7) was level in the layer (session 29, same tool, us, none / 64: T=1 32.6 / 32.4, T=2
+# 44.9 / 45.1, T=3 58.9 / 58.6), so it stays uncapped.
 # Rows per local expert from which the Pro-shaped (I <= 1024) short-K down on 16-row blocks takes
 # its activations as bf16 pairs (swiglu_quant writes them; same bits as fp8). NOTE (session 24,
 # H200, layer bench, graphs, rotated weights, two alternating runs each, docs/bench/2026-11-30/
@@ -309,7 +308,7 @@ def _mma64e_configs(up: GemmConfig, down: GemmConfig, i: int, rows: float = 0.0)
                                    block_n=PRO_DOWN16_BLOCK_N if down.fold_sa else down.block_n)
     elif (down.kind == "swap" and down.block_m == 16 and i <= 1024 and down.maxnreg is None and down.fold_sa
           and down.split_k == 1 and rows < PRO_DOWN16_SMALL_MAX_ROWS):
-        down = dataclasses.replace(down, block_n=PRO_DOWN16_SMALL_BLOCK_N, maxnreg=PRO_DOWN16_SMALL_MAXNREG or None)
+        down = dataclasses.replace(down, block_n=PRO_DOWN16_SMALL_BLOCK_N)
     up, down = [dataclasses.replace(c, fold_order="wait") if c.fold_sa and c.fold_order == "split" else c
                 for c in (up, down)]
     return up, down

@@ -119,23 +119,3 @@ def test_unknown_env_value_is_an_error_not_a_default():
     r = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, "DSV4_MOE_PDL": "yes"},
                        capture_output=True, text=True)
     assert r.returncode != 0 and "DSV4_MOE_PDL='yes'" in r.stderr, r.stderr[-500:]
-
-
-def test_front_fused_max_t_switch(monkeypatch):
-    """dispatch.FRONT_FUSED_MAX_T (session 29's A/B switch): up to that many tokens, where the
-    one-launch front is supported, the quant-in-logits and separate fronts step aside with a
-    reason naming the switch; above it, or at 0 (the default), they stay."""
-    from dsv4_moe import stages
-    from dsv4_moe.dispatch import DispatchContext
-
-    monkeypatch.setattr(stages, "front_fused_supported", lambda ctx: (True, "supported (test)"))
-    ctx = {t: DispatchContext(device=torch.device("cpu"), num_tokens=t) for t in (1, 4, 5)}
-    assert dispatch.FRONT_FUSED_MAX_T == 0
-    assert all(stages.front_separate_preferred(c)[0] for c in ctx.values())
-    monkeypatch.setattr(dispatch, "FRONT_FUSED_MAX_T", 4)
-    for t in (1, 4):
-        ok, why = stages.front_separate_preferred(ctx[t])
-        assert not ok and "FRONT_FUSED_MAX_T" in why and f"T = {t}" in why
-    assert stages.front_separate_preferred(ctx[5])[0]
-    monkeypatch.setattr(stages, "front_fused_supported", lambda ctx: (False, "not here (test)"))
-    assert stages.front_separate_preferred(ctx[1])[0]
