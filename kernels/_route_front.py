@@ -13,8 +13,9 @@ Grid = the router's logits GEMV grid (`gemv_blocks`). Every program
    them all at once (`_topk_tokens`: the top-k kernel's exact steps on a [T, E] tile, one
    pass of reductions for all tokens; a loop over tokens measured 2-5 us per token on the
    H200), then, after a
-   CTA barrier that orders its own id / weight stores, aligns the routes
-   (`_align_small_body`, the one-launch moe_align body) and resets the counter to 0.
+   CTA barrier that orders its own id / weight stores, aligns the routes with moe_align's
+   one-launch body in moe_align's form (`_align_sorted_body` where moe_align.SMALL_SORTED
+   sorts, session 29; `_align_small_body` otherwise) and resets the counter to 0.
 
 So the outputs are bitwise those of the separate launches (router GEMV, top-k, act_quant,
 moe_align), which tests/test_kernels_route_front.py checks under the interpreter and
