@@ -253,3 +253,65 @@ def test_packed_selection_same_bits(monkeypatch, e, k, bias_kind):
     assert len(set(base_ids.flatten().tolist())) > k if bias_kind != "zero-sum" else True
     for key, (tw, ids) in out.items():
         assert torch.equal(ids, base_ids) and torch.equal(tw.view(torch.int32), base_w.view(torch.int32)), key
+
+
+_ALIGN_FIELDS = ("sorted_route_ids", "block_expert", "num_valid_blocks", "expert_offsets", "expert_counts",
+                 "route_rows", "row_expert", "row_weight")
+
+
+@pytest.mark.parametrize("t,e,k,num_local,first,block_m,hashed", [
+    (1, 384, 6, 384, 0, 16, False),   # Pro-TP8 decode: one route per block
+    (3, 64, 6, 64, 0, 16, False),
+    (4, 48, 4, 16, 16, 16, False),    # expert parallel: only experts 16..31 local (others skipped)
+    (2, 64, 6, 64, 0, 32, True),      # hash layer
+    (9, 16, 6, 16, 0, 16, False),     # 54 routes on 16 experts: several routes per expert
+])
+@pytest.mark.parametrize("sorted_align", [True, False])
+def test_topk_align_bitwise_separate(monkeypatch, t, e, k, num_local, first, block_m, hashed, sorted_align):
+    """route_topk(align=...): the top-k launch that also aligns the routes (one program) gives the
+    top-k kernel's ids and weights and moe_align's alignment bit for bit, in both of moe_align's
+    one-program forms (SMALL_SORTED on / off); the negative control (another block size) differs."""
+    from dsv4_moe.kernels import moe_align as moe_align_mod
+    from dsv4_moe.kernels.moe_align import moe_align
+
+    monkeypatch.setattr(moe_align_mod, "SMALL_SORTED", sorted_align)
+    x, w, bias = _inputs(t, 256, e, seed=7 * t + e)
+    g = torch.Generator().manual_seed(t)
+    tid2eid = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(40)]).int() if hashed else None
+    ids_in = torch.randint(0, 40, (t,), generator=g) if hashed else None
+    if hashed:
+        bias = None
+    got = route_topk(x, w, bias, tid2eid, ids_in, k, SCALE, logits_impl="gemv", align=(num_local, first, block_m))
+    plain = route_topk(x, w, bias, tid2eid, ids_in, k, SCALE, logits_impl="gemv")
+    assert len(got) == 3
+    assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+    want = moe_align(plain[1], num_local, first, block_m, plain[0], impl="small" if t * k <= 64 else "auto")
+    ga = got[2]
+    assert (ga.block_m, ga.top_k, ga.num_routes, ga.max_blocks) == (want.block_m, want.top_k, want.num_routes,
+                                                                      want.max_blocks)
+    for f in _ALIGN_FIELDS:
+        a, b = getattr(ga, f), getattr(want, f)
+        assert torch.equal(a, b), f"{f}: first mismatch at {(a != b).nonzero()[:1].tolist()}: {a} vs {b}"
+    other = moe_align(plain[1], num_local, first, block_m * 2, plain[0])
+    assert not torch.equal(ga.sorted_route_ids[:other.max_rows], other.sorted_route_ids[:ga.max_rows]) \
+        or ga.max_rows != other.max_rows
+
+
+def test_topk_align_with_act_quant_and_guards():
+    """align= composes with act_quant= (the decode front's call) and rejects bad arguments."""
+    from dsv4_moe.kernels.router import topk_align_limits
+
+    x, w, bias = _inputs(2, 256, 64, seed=3)
+    got = route_topk(x, w, bias, None, None, 6, SCALE, logits_impl="gemv", act_quant=True, align=(64, 0, 16))
+    assert len(got) == 6 and got[5].num_routes == 12 and got[4].shape == (2, 256)
+    with pytest.raises(ValueError, match="block_m=24"):
+        route_topk(x, w, bias, None, None, 6, SCALE, logits_impl="gemv", align=(64, 0, 24))
+    with pytest.raises(ValueError, match=r"align=\(64, 0\)"):
+        route_topk(x, w, bias, None, None, 6, SCALE, logits_impl="gemv", align=(64, 0))
+    ok, why = topk_align_limits(50, 6, 64, 16)
+    assert not ok and "R = 300 routes" in why
+    big = _inputs(50, 128, 64, seed=4)
+    with pytest.raises(ValueError, match="R = 300 routes"):
+        route_topk(big[0], big[1], big[2], None, None, 6, SCALE, logits_impl="gemv", align=(64, 0, 16))
+    empty = route_topk(x[:0], w, bias, None, None, 6, SCALE, logits_impl="gemv", align=(64, 0, 16))
+    assert int(empty[2].num_valid_blocks[0]) == 0 and empty[2].max_blocks == 0
