@@ -169,39 +169,16 @@ def front_quant_in_logits_supported(ctx: DispatchContext):
     if path == "mm":
         return False, (f"T={ctx.num_tokens}: the logits are cuBLAS here (Triton GEMV to T={router.GEMV_MAX_T}, "
                        f"tensor-core kernel to T={router.MMA_MAX_T} for a bf16 gate)")
-    why = f"act_quant inside the router's {path} logits launch (one launch fewer, the same bits)"
-    if 1 <= ctx.num_tokens <= router.TOPK_ALIGN_MAX_T:
-        why += (f"; the top-k launch also aligns the routes for the Triton routed experts (T <= "
-                f"router.TOPK_ALIGN_MAX_T = {router.TOPK_ALIGN_MAX_T}, R <= moe_align's one-program limit)")
-    return True, why
-
-
-def front_align_args(ctx: DispatchContext, routed) -> "tuple[int, int, int] | None":
-    """route_topk's `align` for the decode front - (num_local, first_expert, the routed gate_up
-    config's BLOCK_M): the top-k launch also aligns the routes - up to router.TOPK_ALIGN_MAX_T
-    tokens where the routed stage takes its Triton path and the sizes fit; else None."""
-    from . import dispatch  # noqa: PLC0415
-
-    rt = _kernel("router")
-    t, k = ctx.num_tokens, ctx.top_k
-    if not 1 <= t <= rt.TOPK_ALIGN_MAX_T or dispatch.plan_stage("routed_experts", ctx).chosen.name != "triton":
-        return None
-    block_m = _kernel("routed_experts").routed_configs(t * k, routed)[0].block_m
-    if not rt.topk_align_limits(t, k, routed.num_local, block_m)[0]:
-        return None
-    return routed.num_local, routed.first_expert, block_m
+    return True, f"act_quant inside the router's {path} logits launch (one launch fewer, the same bits)"
 
 
 def front_quant_in_logits(ctx, x, router, input_ids, top_k, scale, routed, pairs):
-    """-> (topk_w, topk_ids, q, sa, q_pairs | None, align | None): the router's logits launch also
-    quantises x; up to router.TOPK_ALIGN_MAX_T tokens the top-k launch also aligns the routes
-    (`front_align_args`), else align is None and the routed stage aligns itself."""
+    """-> (topk_w, topk_ids, q, sa, q_pairs | None, None): the router's logits launch also
+    quantises x (align None: the routed stage aligns itself)."""
     rt = _kernel("router")
-    align = front_align_args(ctx, routed)
-    out = rt.route_topk(x, router.weight, router.bias, router.tid2eid, input_ids, top_k, scale,
-                        logits_impl=rt.logits_path(x.shape[0], router.weight.dtype), act_quant=pairs, align=align)
-    w, ids, q, sa = out[:4]
-    return w, ids, q, sa, (out[4] if pairs else None), (out[-1] if align is not None else None)
+    w, ids, q, sa, *p = rt.route_topk(x, router.weight, router.bias, router.tid2eid, input_ids, top_k, scale,
+                                      logits_impl=rt.logits_path(x.shape[0], router.weight.dtype), act_quant=pairs)
+    return w, ids, q, sa, (p[0] if p else None), None
 
 
 def front_separate_preferred(ctx: DispatchContext):

@@ -20,7 +20,6 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ._act_quant import act_quant_group
-from ._moe_align import _align_small_body, _align_sorted_body
 from ._triton_utils import pdl_enter, split_k_arrive, split_k_reset
 
 
@@ -195,40 +194,6 @@ def _route_topk_kernel(
     _topk_token(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out_ids_ptr,
                 tl.program_id(0).to(tl.int64), E, stride_s, stride_tab, scale,
                 TOP_K, K_PAD, E_PAD, HAS_BIAS, HASH, APPLY_SCORES, PACKED)
-
-
-@triton.jit
-def _route_topk_align_kernel(
-    scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out_ids_ptr,  # as _route_topk_kernel
-    route_rows_ptr, expert_counts_ptr, expert_offsets_ptr, num_blocks_ptr,       # the MoeAlignment
-    sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_weight_ptr,
-    T, E, stride_s, stride_tab, scale, first_expert, num_local, max_blocks,
-    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, T_PAD: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HASH: tl.constexpr, APPLY_SCORES: tl.constexpr,
-    R_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD_A: tl.constexpr, ROWS_PAD: tl.constexpr,
-    MB_PAD: tl.constexpr, SORTED: tl.constexpr,
-    PDL: tl.constexpr = 0,
-):
-    """Top-k of all T tokens and the alignment of their routes in one program (one launch
-    where the top-k and moe_align's one-program path take two): `_topk_tokens` (the top-k
-    kernel's exact steps on a [T, E] tile), a CTA barrier that orders its id / weight stores
-    before this program reads them back, then moe_align's one-program body in its form
-    (SORTED: `_align_sorted_body`, else `_align_small_body`). The same bodies as
-    `_route_front_kernel`'s last program, so the same bits as the separate launches."""
-    pdl_enter(PDL)
-    _topk_tokens(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out_ids_ptr,
-                 T, E, stride_s, stride_tab, scale, TOP_K, K_PAD, E_PAD, T_PAD, HAS_BIAS, HASH, APPLY_SCORES)
-    tl.debug_barrier()
-    if SORTED:
-        _align_sorted_body(out_ids_ptr, out_w_ptr, route_rows_ptr, expert_counts_ptr, expert_offsets_ptr,
-                           num_blocks_ptr, sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_weight_ptr,
-                           T * TOP_K, first_expert, num_local, max_blocks,
-                           True, R_BLOCK, BLOCK_M, E_PAD_A, ROWS_PAD, MB_PAD)
-    else:  # NOTE: if / else, not an early return (Triton compiles the code after a return too)
-        _align_small_body(out_ids_ptr, out_w_ptr, route_rows_ptr, expert_counts_ptr, expert_offsets_ptr,
-                          num_blocks_ptr, sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_weight_ptr,
-                          T * TOP_K, first_expert, num_local, max_blocks,
-                          True, R_BLOCK, BLOCK_M, E_PAD_A, ROWS_PAD, MB_PAD)
 
 
 @triton.jit

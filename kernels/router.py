@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["route_topk", "topk_align_limits", "router_logits", "router_logits_gemv", "router_logits_mma", "gemv_blocks", "mma_blocks",
+__all__ = ["route_topk", "router_logits", "router_logits_gemv", "router_logits_mma", "gemv_blocks", "mma_blocks",
            "logits_path",
-           "GEMV_MAX_T", "MMA_MAX_T", "TOPK_ALIGN_MAX_T", "check_route_args"]
+           "GEMV_MAX_T", "MMA_MAX_T", "check_route_args"]
 
 _E_MAX = 4096  # one register vector per token; DeepSeek-V4 has E <= 384
 # NOTE: the logits GEMV replaces cuBLAS up to this many tokens. H200, CUDA graphs, gate
@@ -91,12 +91,6 @@ QUANT_IN_LOGITS = True
 # T=1 66.4 -> 65.8, T=2 94.3 -> 93.4, T=4 137.9 -> 138.7.
 TOPK_WARPS = 0
 TOPK_PACKED = True
-# The top-k and the routed alignment in one program (route_topk's `align`, `_route_topk_align_kernel`)
-# up to this many tokens, where the decode front hands the layer its alignment (stages.
-# front_quant_in_logits); 0: the top-k kernel and moe_align's launch. Same bits. A/B switch.
-TOPK_ALIGN_MAX_T = 0
-# warps of that one program
-TOPK_ALIGN_WARPS = 4
 TOPK_PACKED_MAX_T = 256
 _LOGITS_IMPLS = ("auto", "gemv", "mma", "mm")
 _SCORES_IMPLS = ("auto", "kernel", "torch")
@@ -273,8 +267,7 @@ def check_route_args(x, weight, bias, tid2eid, input_ids, top_k, routed_scaling_
 def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                tid2eid: torch.Tensor | None, input_ids: torch.Tensor | None,
                top_k: int, routed_scaling_factor: float, *, logits_impl: str = "auto",
-               scores_impl: str = "auto", act_quant: "bool | str | None" = None,
-               align: "tuple[int, int, int] | None" = None) -> tuple:
+               scores_impl: str = "auto", act_quant: "bool | str | None" = None) -> tuple[torch.Tensor, ...]:
     """Route T tokens to top_k of E experts; see the module docstring for layouts.
 
     logits_impl: "auto" | "gemv" (Triton GEMV) | "mma" (Triton tensor-core kernel, bf16 weight)
@@ -283,12 +276,7 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     act_quant: None, or the `pairs` argument of `act_quant` (False, True, "scaled"): the
     logits launch also quantises x (fp32 scales; bitwise `act_quant(x, pairs=...)`, the same
     Triton body) and the call returns (topk_weights, topk_ids, q, sa[, pairs]). Needs the
-    Triton logits (`logits_path` "gemv" or "mma"), else ValueError.
-    align: None, or (num_local, first_expert, block_m): the top-k launch also aligns the routes
-    (`_route_topk_align_kernel`: one program routes every token, then runs moe_align's
-    one-program body) and the call returns the MoeAlignment (row weights included) last -
-    bitwise `moe_align(topk_ids, num_local, first_expert, block_m, topk_weights)`, one launch
-    fewer. Needs the sizes of moe_align's one-program path (`topk_align_limits`)."""
+    Triton logits (`logits_path` "gemv" or "mma"), else ValueError."""
     from ._triton_utils import interpreting  # noqa: PLC0415
 
     _check(logits_impl in _LOGITS_IMPLS, f"logits_impl={logits_impl!r}: expected one of {_LOGITS_IMPLS}")
@@ -311,21 +299,7 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         p = check_pairs_out(None, t, h, x.device, "route_topk") if act_quant else None
         quant = (q.view(torch.uint8), sa, p, 0 if p is None else 2 if scaled else 1)
         extra = (q, sa) + ((p,) if act_quant else ())
-    aligned = None
-    if align is not None:
-        from .moe_align import check_align_args, new_alignment  # noqa: PLC0415
-
-        _check(isinstance(align, tuple) and len(align) == 3,
-               f"align={align!r}: expected None or (num_local, first_expert, block_m)")
-        check_align_args(*align)
-        ok, why = topk_align_limits(t, top_k, align[0], align[2])
-        _check(ok, f"align={align!r}: {why}")
-        aligned = new_alignment(t * top_k, top_k, align[0], align[2], x.device)
-        extra = extra + (aligned,)
     if t == 0:
-        if aligned is not None:
-            for ten in (aligned.num_valid_blocks, aligned.expert_offsets, aligned.expert_counts):
-                ten.zero_()
         return (out_w, out_ids) + extra
     path = logits_path(t, weight.dtype, logits_impl, x.is_cuda)
     _check(quant is None or path != "mm",
@@ -344,10 +318,6 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     from ._router import _route_topk_kernel
     from ._triton_utils import pdl_options
     dummy = scores
-    if aligned is not None:
-        _topk_align(scores, bias, tid2eid, input_ids, out_w, out_ids, aligned, float(routed_scaling_factor),
-                    align[1], apply_scores)
-        return (out_w, out_ids) + extra
     _route_topk_kernel[(t,)](
         scores, bias if bias is not None else dummy,
         tid2eid.contiguous() if hashed else dummy,
@@ -366,50 +336,3 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         **pdl_options(x.device),
     )
     return (out_w, out_ids) + extra
-
-
-def topk_align_limits(num_tokens: int, top_k: int, num_local: int, block_m: int) -> tuple[bool, str]:
-    """(ok, reason): whether route_topk(align=...) takes these sizes (moe_align's one-program
-    path: R = T*k routes <= SORTED_MAX_ROUTES (<= SMALL_MAX_ROUTES when SMALL_SORTED is off)
-    and max_rows <= SMALL_MAX_ROWS; shapes only)."""
-    from . import moe_align as ma  # noqa: PLC0415
-
-    r = num_tokens * top_k
-    cap = ma.SORTED_MAX_ROUTES if ma.SMALL_SORTED else ma.SMALL_MAX_ROUTES
-    if r > cap:
-        return False, f"R = {r} routes > {cap} (moe_align's one-program path)"
-    if ma.align_sizes(r, num_local, block_m)[1] > ma.SMALL_MAX_ROWS:
-        return False, f"the alignment's rows exceed {ma.SMALL_MAX_ROWS}"
-    return True, f"R = {r} routes <= {cap}"
-
-
-def _topk_align(scores, bias, tid2eid, input_ids, out_w, out_ids, aligned, scale: float, first_expert: int,
-                apply_scores: bool) -> None:
-    """Launch `_route_topk_align_kernel` (one program) into out_w / out_ids / `aligned`."""
-    import triton  # noqa: PLC0415
-
-    from . import moe_align as ma  # noqa: PLC0415
-    from ._router import _route_topk_align_kernel
-    from ._triton_utils import pdl_options
-    t, k = out_ids.shape
-    e = scores.shape[1]
-    r = t * k
-    hashed = tid2eid is not None
-    dummy = scores
-    _route_topk_align_kernel[(1,)](
-        scores, bias if bias is not None else dummy, tid2eid.contiguous() if hashed else dummy,
-        input_ids.contiguous() if hashed else dummy, out_w, out_ids,
-        aligned.route_rows, aligned.expert_counts, aligned.expert_offsets, aligned.num_valid_blocks,
-        aligned.sorted_route_ids, aligned.block_expert, aligned.row_expert, aligned.row_weight,
-        t, e, scores.stride(0), tid2eid.shape[1] if hashed else 0, scale,
-        first_expert, aligned.expert_counts.shape[0], aligned.max_blocks,
-        TOP_K=k, K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(e),
-        T_PAD=triton.next_power_of_2(t), HAS_BIAS=bias is not None, HASH=hashed, APPLY_SCORES=apply_scores,
-        R_BLOCK=max(2, triton.next_power_of_2(r)), BLOCK_M=aligned.block_m,
-        E_PAD_A=max(triton.next_power_of_2(aligned.expert_counts.shape[0]), 64),
-        ROWS_PAD=triton.next_power_of_2(aligned.max_rows), MB_PAD=triton.next_power_of_2(aligned.max_blocks),
-        SORTED=ma.SMALL_SORTED and r <= ma.SORTED_MAX_ROUTES,
-        num_warps=TOPK_ALIGN_WARPS,
-        enable_reflect_ftz=False,  # NOTE: as the top-k kernel (libdevice without flush-to-zero)
-        **pdl_options(scores.device),
-    )

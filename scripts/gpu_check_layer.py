@@ -182,77 +182,6 @@ def check_front(name, cfg, rows, dev, routed_layout="auto"):
         torch.cuda.empty_cache()
 
 
-def check_topk_align(name, cfg, rows, dev, routed_layout="auto"):
-    """route_topk(align=...) - the top-k launch that also aligns the routes - against the top-k
-    kernel + moe_align on the GPU (every alignment field, bitwise), and the layer with the
-    decode front handing it that alignment (router.TOPK_ALIGN_MAX_T) against the layer
-    aligning itself, eager and in a graph replayed on new inputs, bitwise."""
-    from dsv4_moe.kernels import router as router_mod
-    from dsv4_moe.kernels.moe_align import moe_align
-
-    fields = ("sorted_route_ids", "block_expert", "num_valid_blocks", "expert_offsets", "expert_counts",
-              "route_rows", "row_expert", "row_weight")
-    hash_idx = next((i for i in range(8) if cfg.is_hash_layer(i)), None)
-    saved = router_mod.TOPK_ALIGN_MAX_T
-    try:
-        for idx in [5] + ([hash_idx] if hash_idx is not None else []):
-            w = random_layer_weights(cfg, layer_idx=idx, seed=2, device=dev)
-            layer = DeepseekV4MoE(cfg, w, routed_layout=routed_layout)
-            kind = "hash" if layer.is_hash else "top-k"
-            rw, k = layer.router, cfg.num_experts_per_tok
-            for t in (1, 2, 3, 4, 8, 16, 40):
-                x, ids = _inputs(cfg, t, 700 + t, dev)
-                for first, nloc in ((0, cfg.n_routed_experts), (cfg.n_routed_experts // 4, cfg.n_routed_experts // 4)):
-                    got = router_mod.route_topk(x, rw.weight, rw.bias, rw.tid2eid, ids, k, cfg.routed_scaling_factor,
-                                                logits_impl=router_mod.logits_path(t, rw.weight.dtype),
-                                                align=(nloc, first, 16))
-                    plain = router_mod.route_topk(x, rw.weight, rw.bias, rw.tid2eid, ids, k,
-                                                  cfg.routed_scaling_factor,
-                                                  logits_impl=router_mod.logits_path(t, rw.weight.dtype))
-                    want = moe_align(plain[1], nloc, first, 16, plain[0])
-                    bad = [f for f in fields if not torch.equal(getattr(got[2], f), getattr(want, f))]
-                    ok = torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]) and not bad
-                    rows.append({"case": f"{name} {kind} router", "check": "topk+align == topk, moe_align", "T": t,
-                                 "ok": ok, "detail": f"experts {first}..{first + nloc - 1} local; "
-                                                     f"differing: {bad or 'none'}"})
-                if t > 16:
-                    continue
-                with torch.no_grad():
-                    router_mod.TOPK_ALIGN_MAX_T = 64
-                    on = layer(x, ids)
-                    router_mod.TOPK_ALIGN_MAX_T = 0
-                    off = layer(x, ids)
-                n = int((on.view(torch.int16) != off.view(torch.int16)).sum())
-                rows.append({"case": f"{name} {kind} layer", "check": "front topk+align == align launch", "T": t,
-                             "ok": _bytes_equal(on, off), "detail": f"{n} differ"})
-                if t in (1, 4):
-                    router_mod.TOPK_ALIGN_MAX_T = 64
-                    g = torch.cuda.CUDAGraph()
-                    with torch.no_grad():
-                        s_ = torch.cuda.Stream()
-                        s_.wait_stream(torch.cuda.current_stream())
-                        with torch.cuda.stream(s_):
-                            layer(x, ids)
-                        torch.cuda.current_stream().wait_stream(s_)
-                        with torch.cuda.graph(g):
-                            out = layer(x, ids)
-                        x2, ids2 = _inputs(cfg, t, 800 + t, dev)
-                        x.copy_(x2)
-                        if ids is not None:
-                            ids.copy_(ids2)
-                        g.replay()
-                        torch.cuda.synchronize()
-                        router_mod.TOPK_ALIGN_MAX_T = 0
-                        off2 = layer(x2, ids2)
-                    rows.append({"case": f"{name} {kind} layer", "check": "front topk+align in graph == align launch",
-                                 "T": t, "ok": _bytes_equal(out, off2),
-                                 "detail": "graph replay on new inputs vs eager, alignment launched by the layer"})
-            del layer, w
-            torch.cuda.empty_cache()
-    finally:
-        router_mod.TOPK_ALIGN_MAX_T = saved
-
-
 def check_graphed(name, cfg, layer, rows, dev):
     """GraphedMoE (dsv4_moe/graphs.py): replays == eager forwards bitwise, on inputs that
     change between calls, and an uncaptured T falls back to the eager forward."""
@@ -345,7 +274,6 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
         write_results(rows, out_dir, done=False)
         check_front(name, cfg, rows, dev, routed_layout=layout)
-        check_topk_align(name, cfg, rows, dev, routed_layout=layout)
         write_results(rows, out_dir, done=False)
     if not args.no_checkpoint and not args.front_only:
         with tempfile.TemporaryDirectory() as tmp:
