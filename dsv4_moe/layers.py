@@ -128,7 +128,9 @@ SIDE_STREAM_PRIORITY = 0
 # Fork the shared expert's side stream only after the routed alignment is launched (triton
 # routed path), so the shared GEMM's CTAs do not fill the SMs while the alignment (one
 # program, on the critical path) runs beside them: "auto" (dispatch.shared_fork_policy),
-# "on" or "off". A/B switch.
+# "on" or "off"; "logits": as early as x is quantised - between the router's logits launch
+# and its top-k launch on the front's quant_in_logits path (after the front on the others).
+# A/B switch.
 FORK_AFTER_ALIGN = "auto"
 
 
@@ -275,19 +277,30 @@ class DeepseekV4MoE(_NativeBuffers):
         # conversion launch) when the routed GEMM config takes them at this T
         pairs = routed.name == "triton" and stages.routed_wants_pairs(t * c.num_experts_per_tok, self.routed)
         # router + act_quant (+ the routed alignment, when the decode front runs in one launch)
-        topk_w, topk_ids, q, sa, q_pairs, align = dispatch.select("front", ctx).impl(
-            ctx, x, self.router, input_ids, c.num_experts_per_tok, c.routed_scaling_factor, self.routed, pairs)
         side = self._side_stream(x.device, t)
+        forked: list = []
+
+        def fork(q_, sa_, *_):
+            """The shared expert on the side stream once q, sa are enqueued on the main one."""
+            main_ = torch.cuda.current_stream(x.device)
+            side.wait_stream(main_)
+            split = dispatch.shared_split_policy(t, c.local_intermediate(self.tp_size))[0]
+            with torch.cuda.stream(side), dispatch.side_stream_scope(split):
+                forked.append(self.shared_experts.forward_quantised(q_, sa_, ctx))
+
+        at_logits = side is not None and FORK_AFTER_ALIGN == "logits"
+        topk_w, topk_ids, q, sa, q_pairs, align = dispatch.select("front", ctx).impl(
+            ctx, x, self.router, input_ids, c.num_experts_per_tok, c.routed_scaling_factor, self.routed, pairs,
+            after_logits=fork if at_logits else None)
         if side is not None and align is None and routed.name == "triton" and self._fork_after_align(t):
             align = stages.routed_align(topk_w, topk_ids, self.routed)
         if side is None:
             shared = self.shared_experts.forward_quantised(q, sa, ctx)
-        else:  # fork: the shared expert on the side stream once q, sa exist
+        else:  # fork: the shared expert on the side stream once q, sa exist (unless the front did)
             main = torch.cuda.current_stream(x.device)
-            side.wait_stream(main)
-            split = dispatch.shared_split_policy(t, c.local_intermediate(self.tp_size))[0]
-            with torch.cuda.stream(side), dispatch.side_stream_scope(split):
-                shared = self.shared_experts.forward_quantised(q, sa, ctx)
+            if not forked:
+                fork(q, sa)
+            shared = forked[0]
         swiglu = dispatch.select("swiglu_quant", ctx).name
         y = routed.impl(q, sa, topk_w, topk_ids, self.routed, c.swiglu_limit, swiglu,
                         q_pairs=q_pairs, align=align)
@@ -342,11 +355,16 @@ class DeepseekV4MoE(_NativeBuffers):
         how = (dispatch.shared_fork_policy(num_tokens, self.config.local_intermediate(self.tp_size))[1]
                if FORK_AFTER_ALIGN == "auto" else f"layers.FORK_AFTER_ALIGN = {FORK_AFTER_ALIGN!r}")
         split = dispatch.shared_split_policy(num_tokens, self.config.local_intermediate(self.tp_size))[1]
-        return f"{why}; forked {'after the routed alignment' if late else 'right after the front'} ({how}); {split}"
+        where = ("after the router's logits launch (on the quant_in_logits front; else after the front)"
+                 if FORK_AFTER_ALIGN == "logits" else "after the routed alignment" if late else "right after the front")
+        return f"{why}; forked {where} ({how}); {split}"
 
     def _fork_after_align(self, num_tokens: int) -> bool:
-        if FORK_AFTER_ALIGN not in ("auto", "on", "off"):
-            raise ValueError(f"layers.FORK_AFTER_ALIGN={FORK_AFTER_ALIGN!r}: expected 'auto', 'on' or 'off'")
+        if FORK_AFTER_ALIGN not in ("auto", "on", "off", "logits"):
+            raise ValueError(f"layers.FORK_AFTER_ALIGN={FORK_AFTER_ALIGN!r}: expected 'auto', 'on', 'off' or "
+                             f"'logits'")
+        if FORK_AFTER_ALIGN == "logits":
+            return False
         if FORK_AFTER_ALIGN == "auto":
             return dispatch.shared_fork_policy(num_tokens, self.config.local_intermediate(self.tp_size))[0]
         return FORK_AFTER_ALIGN == "on"

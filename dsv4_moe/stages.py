@@ -132,7 +132,7 @@ def front_fused_supported(ctx: DispatchContext):
     return True, f"router logits + top-k + act_quant + moe_align in one launch ({why})"
 
 
-def front_fused(ctx, x, router, input_ids, top_k, scale, routed, pairs):
+def front_fused(ctx, x, router, input_ids, top_k, scale, routed, pairs, after_logits=None):
     """-> (topk_w, topk_ids, q, sa, q_pairs | None, align) in one launch; align's BLOCK_M is
     the routed gate_up config's (routed_experts_forward checks it)."""
     block_m = _kernel("routed_experts").routed_configs(x.shape[0] * top_k, routed)[0].block_m
@@ -172,12 +172,14 @@ def front_quant_in_logits_supported(ctx: DispatchContext):
     return True, f"act_quant inside the router's {path} logits launch (one launch fewer, the same bits)"
 
 
-def front_quant_in_logits(ctx, x, router, input_ids, top_k, scale, routed, pairs):
+def front_quant_in_logits(ctx, x, router, input_ids, top_k, scale, routed, pairs, after_logits=None):
     """-> (topk_w, topk_ids, q, sa, q_pairs | None, None): the router's logits launch also
-    quantises x (align None: the routed stage aligns itself)."""
+    quantises x (align None: the routed stage aligns itself). `after_logits(q, sa[, pairs])`
+    runs between the logits and the top-k launches (route_topk's)."""
     rt = _kernel("router")
     w, ids, q, sa, *p = rt.route_topk(x, router.weight, router.bias, router.tid2eid, input_ids, top_k, scale,
-                                      logits_impl=rt.logits_path(x.shape[0], router.weight.dtype), act_quant=pairs)
+                                      logits_impl=rt.logits_path(x.shape[0], router.weight.dtype), act_quant=pairs,
+                                      after_logits=after_logits)
     return w, ids, q, sa, (p[0] if p else None), None
 
 
@@ -194,9 +196,10 @@ def front_separate_preferred(ctx: DispatchContext):
                   "measured level in the H200 layer bench; force_paths(front='fused') takes it)")
 
 
-def front_separate(ctx, x, router, input_ids, top_k, scale, routed, pairs):
+def front_separate(ctx, x, router, input_ids, top_k, scale, routed, pairs, after_logits=None):
     """The same outputs from the router and act_quant stages' own paths (align None: the
-    routed stage aligns itself)."""
+    routed stage aligns itself). `after_logits` is not called here (x is quantised after the
+    router), nor by front_fused (one launch): the caller sees that and forks after the front."""
     from . import dispatch  # noqa: PLC0415
 
     topk_w, topk_ids = dispatch.select("router", ctx).impl(x, router, input_ids, top_k, scale)

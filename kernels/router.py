@@ -267,7 +267,8 @@ def check_route_args(x, weight, bias, tid2eid, input_ids, top_k, routed_scaling_
 def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                tid2eid: torch.Tensor | None, input_ids: torch.Tensor | None,
                top_k: int, routed_scaling_factor: float, *, logits_impl: str = "auto",
-               scores_impl: str = "auto", act_quant: "bool | str | None" = None) -> tuple[torch.Tensor, ...]:
+               scores_impl: str = "auto", act_quant: "bool | str | None" = None,
+               after_logits=None) -> tuple[torch.Tensor, ...]:
     """Route T tokens to top_k of E experts; see the module docstring for layouts.
 
     logits_impl: "auto" | "gemv" (Triton GEMV) | "mma" (Triton tensor-core kernel, bf16 weight)
@@ -276,7 +277,10 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     act_quant: None, or the `pairs` argument of `act_quant` (False, True, "scaled"): the
     logits launch also quantises x (fp32 scales; bitwise `act_quant(x, pairs=...)`, the same
     Triton body) and the call returns (topk_weights, topk_ids, q, sa[, pairs]). Needs the
-    Triton logits (`logits_path` "gemv" or "mma"), else ValueError."""
+    Triton logits (`logits_path` "gemv" or "mma"), else ValueError.
+    after_logits: None, or a callable run between the logits launch and the top-k launch with
+    act_quant's outputs (q, sa[, pairs]) - e.g. to fork work that needs only the quantised x
+    onto another stream before the top-k is enqueued. Needs act_quant."""
     from ._triton_utils import interpreting  # noqa: PLC0415
 
     _check(logits_impl in _LOGITS_IMPLS, f"logits_impl={logits_impl!r}: expected one of {_LOGITS_IMPLS}")
@@ -311,6 +315,9 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         logits = router_logits_mma(x, weight, quant=quant)
     else:
         logits = router_logits(x, weight)
+    if after_logits is not None:
+        _check(quant is not None, "after_logits: needs act_quant (it is handed the quantised x)")
+        after_logits(*extra)
     apply_scores = scores_impl == "kernel" or (scores_impl == "auto" and on_gpu)
     scores = logits if apply_scores else torch.sqrt(torch.nn.functional.softplus(logits))
     import triton  # noqa: PLC0415  (lazy: importing dsv4_moe.kernels never needs triton)

@@ -253,3 +253,19 @@ def test_packed_selection_same_bits(monkeypatch, e, k, bias_kind):
     assert len(set(base_ids.flatten().tolist())) > k if bias_kind != "zero-sum" else True
     for key, (tw, ids) in out.items():
         assert torch.equal(ids, base_ids) and torch.equal(tw.view(torch.int32), base_w.view(torch.int32)), key
+
+
+def test_after_logits_hook():
+    """route_topk(after_logits=f): f gets act_quant's outputs - the very tensors returned - once,
+    between the logits and the top-k launches (the layer forks the shared expert there); the
+    routing is unchanged; without act_quant it is a ValueError."""
+    x, w, bias = _inputs(3, 256, 16, seed=5)
+    seen = []
+    got = route_topk(x, w, bias, None, None, 4, SCALE, logits_impl="gemv", act_quant=True,
+                     after_logits=lambda *a: seen.append(a))
+    plain = route_topk(x, w, bias, None, None, 4, SCALE, logits_impl="gemv")
+    assert len(seen) == 1 and len(seen[0]) == 3
+    assert all(a is b for a, b in zip(seen[0], got[2:]))
+    assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+    with pytest.raises(ValueError, match="after_logits: needs act_quant"):
+        route_topk(x, w, bias, None, None, 4, SCALE, logits_impl="gemv", after_logits=lambda *a: None)

@@ -270,8 +270,10 @@ def test_fork_after_align_switch(monkeypatch):
     assert layer._fork_after_align(2)
     monkeypatch.setattr(layers, "FORK_AFTER_ALIGN", "off")
     assert not layer._fork_after_align(1)
+    monkeypatch.setattr(layers, "FORK_AFTER_ALIGN", "logits")
+    assert not layer._fork_after_align(1)
     monkeypatch.setattr(layers, "FORK_AFTER_ALIGN", True)
-    with pytest.raises(ValueError, match="FORK_AFTER_ALIGN=True: expected 'auto', 'on' or 'off'"):
+    with pytest.raises(ValueError, match="FORK_AFTER_ALIGN=True: expected 'auto', 'on', 'off' or 'logits'"):
         layer._fork_after_align(1)
     monkeypatch.setattr(layers, "FORK_AFTER_ALIGN", "auto")
     assert layer._shared_line(1) == "in line (device cpu)"
@@ -281,6 +283,8 @@ def test_fork_after_align_switch(monkeypatch):
     assert layer._shared_line(3).endswith("decode GEMMs unsplit (N / 64 programs), leaving SMs to the routed front "
                                           "(measured faster on the H200)")
     assert layer._shared_line(8).endswith("decode GEMMs on their in-line split-K grids")
+    monkeypatch.setattr(layers, "FORK_AFTER_ALIGN", "logits")
+    assert "forked after the router's logits launch" in layer._shared_line(2)
 
 
 def test_shared_split_switch(monkeypatch):
