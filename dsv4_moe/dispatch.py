@@ -27,7 +27,7 @@ import torch
 __all__ = [
     "DispatchContext", "Path", "STAGES", "select", "plan", "explain", "force_paths", "clear_plan_cache",
     "has_cuda", "has_fp8_mma", "has_pdl", "has_triton", "is_gfx950",
-    "PDL_MODE", "PDL_MODES", "pdl_mode", "pdl_scope", "pdl_policy", "shared_overlap_policy", "shared_fork_policy",
+    "PDL_MODE", "PDL_MODES", "pdl_mode", "pdl_scope", "pdl_policy", "shared_overlap_policy", "shared_fork_policy", "SHARED_FORK_POINTS",
     "side_stream_scope", "on_side_stream", "side_stream_split_k", "shared_split_policy",
 ]
 
@@ -193,28 +193,47 @@ def pdl_policy(num_tokens: int, shared_overlapped: bool, intermediate: int = 0) 
     # (in line, the old pick: 88.8 early), T=3 105.2 / 107.7 / 109.9 and 105.2 / 107.8 / 109.6,
     # T=4 124.7 / 126.8 / 128.9 and 125.4 / 127.4 / 129.5. Without the split-K grid beside them
     # the routed kernels gain from early release again, so early at Flash-shaped T = 2-6.
+    # NOTE (session 30, docs/bench/2026-11-30/session30/all_call{2,3}_0ef2a20.log, same tool, us, PDL
+    # early / exit / off with the shared expert forked after the router's logits launch, as
+    # shared_fork_policy now does at Pro-shaped T <= 8): Pro-TP8 T=2 42.9 / 44.6 / 48.3 and 43.0 /
+    # 44.8 / 48.5, T=3 58.0 / 56.2 / 60.1, T=4 70.4 / 63.0 / 66.8 and 70.8 / 63.4 / 67.8, T=5 79.2 /
+    # 74.9 / 75.3, T=8 99.2 / 91.4 / 92.5. So at exit from Pro-shaped T = 3 (no longer off at T = 4).
     if not shared_overlapped or num_tokens == 1:
         return "early", ("T = 1" if shared_overlapped else "shared expert in line") + ": successors released early"
     why = f"shared expert overlapped, T = {num_tokens}, I = {intermediate}"
-    if 0 < intermediate < 2048 and num_tokens == 4:
-        return "off", f"{why}: launched without PDL (measured faster than release at exit on the H200)"
-    if (intermediate >= 2048 and 2 <= num_tokens <= 6) or (0 < intermediate < 2048 and 2 <= num_tokens <= 3):
+    if (intermediate >= 2048 and 2 <= num_tokens <= 6) or (0 < intermediate < 2048 and num_tokens == 2):
         return "early", f"{why}: successors released early (measured faster than at exit on the H200)"
     return "exit", "shared expert overlapped, T > 1: successors released at CTA exit"
 
 
-def shared_fork_policy(num_tokens: int, intermediate: int) -> tuple[bool, str]:
-    """(after_align, reason): whether the layer forks the shared expert's side stream only
-    after launching the routed alignment (triton routed path) instead of right after the
-    front (`layers.FORK_AFTER_ALIGN` "auto")."""
+SHARED_FORK_POINTS = ("logits", "front", "align")
+
+
+def shared_fork_policy(num_tokens: int, intermediate: int) -> tuple[str, str]:
+    """(point, reason): where the layer forks the shared expert's side stream (`layers.SHARED_FORK`
+    "auto"): "logits" - between the router's logits launch, which quantises x, and its top-k
+    launch (the front's quant_in_logits path; elsewhere it falls back to "front"); "front" -
+    right after the front; "align" - after the routed alignment's launch (triton routed path)."""
     # NOTE (session 27, H200, gpu_profile_layer.py --ab dsv4_moe.layers.FORK_AFTER_ALIGN, 12
     # forwards per graph, us, after the front / after the alignment; docs/bench/2026-11-30/
     # session27/): Flash T=1 58.3 / 56.3 (3 captures each) and 60.2 / 58.4 (2 captures); Pro-TP8
     # T=1 33.1 / 33.4 and 32.6 / 32.7. At T >= 2 it moved by -3 to +20 us with no pattern that
     # held across T (Pro-TP8 T=8 97.5 / 117.6, T=16 157.5 / 154.5; Flash T=4 135.2 / 145.1).
-    if num_tokens == 1 and intermediate >= 2048:
-        return True, f"T = 1, I = {intermediate}: shared expert forked after the routed alignment's launch"
-    return False, "shared expert forked right after the front"
+    # NOTE (session 30, same tool and method, 3 captures per value, docs/bench/2026-11-30/session30/
+    # all_call{2,3}_0ef2a20.log, us, the session-29 fork / after the logits, each with pdl_policy's
+    # PDL): Pro-TP8 (I = 384) T=1 32.5 / 31.9 and 32.5 / 31.8, T=2 44.7 / 43.3 and 44.3 / 42.9, T=3
+    # 58.5 / 57.9, T=4 65.4 / 67.0 (but 63.0 and 63.4 with PDL at exit, below), T=5 75.0 / 74.8, T=6
+    # 84.5 / 80.5, T=8 93.3 / 91.7 and 92.4 / 91.0, T=12 118.7 / 119.0, T=16 145.0 / 144.9; Flash
+    # (I = 2048) T=1 54.7 / 57.0, T=2-6 8-12 us slower, T=8 206.3 / 205.0 and 205.4 / 204.1, T=12
+    # 281.1 / 280.5, T=16 level. The shared GEMMs launched before the top-k leave the routed
+    # gate_up to itself (Pro-TP8 T=1 timeline: it starts at 9.2 us instead of 11.1); at Flash
+    # T = 1-6 the larger shared GEMMs hold the SMs the one-program top-k and alignment need.
+    if intermediate >= 2048 and num_tokens == 1:
+        return "align", f"T = 1, I = {intermediate}: shared expert forked after the routed alignment's launch"
+    if (0 < intermediate < 2048 and num_tokens <= 8) or (intermediate >= 2048 and 8 <= num_tokens <= 12):
+        return "logits", (f"T = {num_tokens}, I = {intermediate}: shared expert forked after the router's logits "
+                          f"launch (measured faster on the H200)")
+    return "front", "shared expert forked right after the front"
 
 
 @functools.lru_cache(maxsize=4096)  # pure; asked on every forward

@@ -125,13 +125,13 @@ class DeepseekV4MLP(_NativeBuffers):
 # gained nothing: Pro-TP8 T=1 32.7 / 33.3 / 33.3, T=2 46.0 / 46.8 / 46.8, T=16 151.3 / 152.1 /
 # 151.9; Flash T=1 56.0 / 56.8 / 56.8, T=16 337.8 / 339.1 / 341.7 (T=4, 8 level). Removed.
 SIDE_STREAM_PRIORITY = 0
-# Fork the shared expert's side stream only after the routed alignment is launched (triton
-# routed path), so the shared GEMM's CTAs do not fill the SMs while the alignment (one
-# program, on the critical path) runs beside them: "auto" (dispatch.shared_fork_policy),
-# "on" or "off"; "logits": as early as x is quantised - between the router's logits launch
-# and its top-k launch on the front's quant_in_logits path (after the front on the others).
-# A/B switch.
-FORK_AFTER_ALIGN = "auto"
+# Where the shared expert's side stream forks (dispatch.shared_fork_policy says why): "auto"
+# (the policy), "logits" (between the router's logits launch, which quantises x, and its top-k
+# launch, on the front's quant_in_logits path; after the front on the others), "front" (right
+# after the front) or "align" (after the routed alignment's launch, triton routed path, so the
+# shared GEMM's CTAs do not fill the SMs while that one program runs). A/B switch (it was
+# FORK_AFTER_ALIGN "on" / "off" until session 30).
+SHARED_FORK = "auto"
 
 
 class DeepseekV4MoE(_NativeBuffers):
@@ -288,11 +288,11 @@ class DeepseekV4MoE(_NativeBuffers):
             with torch.cuda.stream(side), dispatch.side_stream_scope(split):
                 forked.append(self.shared_experts.forward_quantised(q_, sa_, ctx))
 
-        at_logits = side is not None and FORK_AFTER_ALIGN == "logits"
+        point = self._shared_fork(t) if side is not None else None
         topk_w, topk_ids, q, sa, q_pairs, align = dispatch.select("front", ctx).impl(
             ctx, x, self.router, input_ids, c.num_experts_per_tok, c.routed_scaling_factor, self.routed, pairs,
-            after_logits=fork if at_logits else None)
-        if side is not None and align is None and routed.name == "triton" and self._fork_after_align(t):
+            after_logits=fork if point == "logits" else None)
+        if point == "align" and align is None and routed.name == "triton":
             align = stages.routed_align(topk_w, topk_ids, self.routed)
         if side is None:
             shared = self.shared_experts.forward_quantised(q, sa, ctx)
@@ -351,23 +351,22 @@ class DeepseekV4MoE(_NativeBuffers):
         ov, why = self.shared_overlap(num_tokens)
         if not ov:
             return why
-        late = self._fork_after_align(num_tokens)
+        point = self._shared_fork(num_tokens)
         how = (dispatch.shared_fork_policy(num_tokens, self.config.local_intermediate(self.tp_size))[1]
-               if FORK_AFTER_ALIGN == "auto" else f"layers.FORK_AFTER_ALIGN = {FORK_AFTER_ALIGN!r}")
+               if SHARED_FORK == "auto" else f"layers.SHARED_FORK = {SHARED_FORK!r}")
         split = dispatch.shared_split_policy(num_tokens, self.config.local_intermediate(self.tp_size))[1]
-        where = ("after the router's logits launch (on the quant_in_logits front; else after the front)"
-                 if FORK_AFTER_ALIGN == "logits" else "after the routed alignment" if late else "right after the front")
+        where = {"logits": "after the router's logits launch (on the quant_in_logits front; else after the front)",
+                 "align": "after the routed alignment", "front": "right after the front"}[point]
         return f"{why}; forked {where} ({how}); {split}"
 
-    def _fork_after_align(self, num_tokens: int) -> bool:
-        if FORK_AFTER_ALIGN not in ("auto", "on", "off", "logits"):
-            raise ValueError(f"layers.FORK_AFTER_ALIGN={FORK_AFTER_ALIGN!r}: expected 'auto', 'on', 'off' or "
-                             f"'logits'")
-        if FORK_AFTER_ALIGN == "logits":
-            return False
-        if FORK_AFTER_ALIGN == "auto":
+    def _shared_fork(self, num_tokens: int) -> str:
+        """Where the shared expert forks at num_tokens tokens: "logits", "front" or "align"."""
+        if SHARED_FORK == "auto":
             return dispatch.shared_fork_policy(num_tokens, self.config.local_intermediate(self.tp_size))[0]
-        return FORK_AFTER_ALIGN == "on"
+        if SHARED_FORK not in dispatch.SHARED_FORK_POINTS:
+            raise ValueError(f"layers.SHARED_FORK={SHARED_FORK!r}: expected 'auto' or one of "
+                             f"{dispatch.SHARED_FORK_POINTS}")
+        return SHARED_FORK
 
     def _side_stream(self, device: torch.device, num_tokens: int):
         """The side stream of `device` for the shared expert (None: run it in line)."""

@@ -100,7 +100,7 @@ def test_explain_names_the_routed_gemm_bodies(kernels_on_cpu):
 @pytest.mark.parametrize("t", [1, 3, 40])
 def test_routed_align_ahead_of_the_routed_stage(kernels_on_cpu, t):
     """stages.routed_align (the alignment the layer launches before forking the shared expert,
-    layers.FORK_AFTER_ALIGN) is the one the triton routed stage computes itself: same BLOCK_M,
+    layers.SHARED_FORK "align") is the one the triton routed stage computes itself: same BLOCK_M,
     and the routed output is bitwise the same whether it is passed in or not."""
     from dsv4_moe import stages
 

@@ -239,7 +239,8 @@ def test_shared_overlap_policy_rule():
     0.5-8 routed rows per expert (measured 4-10 % faster there on the H200), overlapped at
     other decode sizes (T = 2 again since session 28), above the band and for Pro-TP8's
     I/tp = 384 at every T (its session-22 in-line band at T = 3-4 measured slower in session 27);
-    dispatch.shared_fork_policy: the fork after the routed alignment only at Flash-shaped T = 1;
+    dispatch.shared_fork_policy: the fork after the routed alignment at Flash-shaped T = 1, after the
+    router's logits at Pro-shaped T <= 8 and Flash-shaped T = 8-12 (session 30), else after the front;
     dispatch.shared_split_policy: unsplit shared GEMMs at Flash-shaped T = 2-4 only."""
     from dsv4_moe import dispatch
 
@@ -253,37 +254,37 @@ def test_shared_overlap_policy_rule():
     assert all(dispatch.shared_overlap_policy(t, **pro)[0] for t in (1, 2, 3, 4, 5, 16, 64, 256, 1024, 8192))
     ov, why = dispatch.shared_overlap_policy(64, **flash)
     assert not ov and "1.50 routed rows per expert" in why and "I = 2048" in why
-    assert [dispatch.shared_fork_policy(t, 2048)[0] for t in (1, 2, 16)] == [True, False, False]
-    assert not dispatch.shared_fork_policy(1, 384)[0]
+    assert [dispatch.shared_fork_policy(t, 2048)[0] for t in (1, 2, 7, 8, 12, 13, 16)] == \
+        ["align", "front", "front", "logits", "logits", "front", "front"]
+    assert [dispatch.shared_fork_policy(t, 384)[0] for t in (1, 4, 8, 9, 16)] == \
+        ["logits", "logits", "logits", "front", "front"]
 
 
-def test_fork_after_align_switch(monkeypatch):
-    """layers.FORK_AFTER_ALIGN: "auto" follows shared_fork_policy, "on" / "off" force it, anything
-    else is a ValueError naming the value; explain() says where the shared expert forks."""
+def test_shared_fork_switch(monkeypatch):
+    """layers.SHARED_FORK: "auto" follows shared_fork_policy, "logits" / "front" / "align" force a
+    point, anything else is a ValueError naming the value; explain() says where the shared expert forks."""
     from dsv4_moe import layers
 
     cfg = MoEConfig(hidden_size=256, moe_intermediate_size=2048, n_routed_experts=8, num_experts_per_tok=4,
                     num_hidden_layers=2, num_hash_layers=0, vocab_size=64)
     layer = DeepseekV4MoE(cfg, random_layer_weights(cfg, layer_idx=1, seed=1))
-    assert layer._fork_after_align(1) and not layer._fork_after_align(2)
-    monkeypatch.setattr(layers, "FORK_AFTER_ALIGN", "on")
-    assert layer._fork_after_align(2)
-    monkeypatch.setattr(layers, "FORK_AFTER_ALIGN", "off")
-    assert not layer._fork_after_align(1)
-    monkeypatch.setattr(layers, "FORK_AFTER_ALIGN", "logits")
-    assert not layer._fork_after_align(1)
-    monkeypatch.setattr(layers, "FORK_AFTER_ALIGN", True)
-    with pytest.raises(ValueError, match="FORK_AFTER_ALIGN=True: expected 'auto', 'on', 'off' or 'logits'"):
-        layer._fork_after_align(1)
-    monkeypatch.setattr(layers, "FORK_AFTER_ALIGN", "auto")
+    assert [layer._shared_fork(t) for t in (1, 2, 8, 16)] == ["align", "front", "logits", "front"]
+    for point in ("logits", "front", "align"):
+        monkeypatch.setattr(layers, "SHARED_FORK", point)
+        assert layer._shared_fork(1) == point == layer._shared_fork(16)
+    monkeypatch.setattr(layers, "SHARED_FORK", True)
+    with pytest.raises(ValueError, match="SHARED_FORK=True: expected 'auto' or one of"):
+        layer._shared_fork(1)
+    monkeypatch.setattr(layers, "SHARED_FORK", "auto")
     assert layer._shared_line(1) == "in line (device cpu)"
     monkeypatch.setattr(layer, "shared_overlap", lambda t: (True, "on a side stream"))  # as on CUDA
     assert "forked after the routed alignment (T = 1, I = 2048" in layer._shared_line(1)
     assert "forked right after the front" in layer._shared_line(2)
+    assert "forked after the router's logits launch" in layer._shared_line(8)
     assert layer._shared_line(3).endswith("decode GEMMs unsplit (N / 64 programs), leaving SMs to the routed front "
                                           "(measured faster on the H200)")
-    assert layer._shared_line(8).endswith("decode GEMMs on their in-line split-K grids")
-    monkeypatch.setattr(layers, "FORK_AFTER_ALIGN", "logits")
+    assert layer._shared_line(16).endswith("decode GEMMs on their in-line split-K grids")
+    monkeypatch.setattr(layers, "SHARED_FORK", "logits")
     assert "forked after the router's logits launch" in layer._shared_line(2)
 
 
