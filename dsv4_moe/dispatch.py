@@ -197,11 +197,13 @@ def pdl_policy(num_tokens: int, shared_overlapped: bool, intermediate: int = 0) 
     # early / exit / off with the shared expert forked after the router's logits launch, as
     # shared_fork_policy now does at Pro-shaped T <= 8): Pro-TP8 T=2 42.9 / 44.6 / 48.3 and 43.0 /
     # 44.8 / 48.5, T=3 58.0 / 56.2 / 60.1, T=4 70.4 / 63.0 / 66.8 and 70.8 / 63.4 / 67.8, T=5 79.2 /
-    # 74.9 / 75.3, T=8 99.2 / 91.4 / 92.5. So at exit from Pro-shaped T = 3 (no longer off at T = 4).
+    # 74.9 / 75.3, T=8 99.2 / 91.4 / 92.5. So at exit from Pro-shaped T = 4 (no longer off there);
+    # T = 3 keeps its fork after the front and early release (the layer bench: 57.2 against 58.2
+    # forked after the logits and released at exit; shared_fork_policy).
     if not shared_overlapped or num_tokens == 1:
         return "early", ("T = 1" if shared_overlapped else "shared expert in line") + ": successors released early"
     why = f"shared expert overlapped, T = {num_tokens}, I = {intermediate}"
-    if (intermediate >= 2048 and 2 <= num_tokens <= 6) or (0 < intermediate < 2048 and num_tokens == 2):
+    if (intermediate >= 2048 and 2 <= num_tokens <= 6) or (0 < intermediate < 2048 and 2 <= num_tokens <= 3):
         return "early", f"{why}: successors released early (measured faster than at exit on the H200)"
     return "exit", "shared expert overlapped, T > 1: successors released at CTA exit"
 
@@ -228,9 +230,15 @@ def shared_fork_policy(num_tokens: int, intermediate: int) -> tuple[str, str]:
     # 281.1 / 280.5, T=16 level. The shared GEMMs launched before the top-k leave the routed
     # gate_up to itself (Pro-TP8 T=1 timeline: it starts at 9.2 us instead of 11.1); at Flash
     # T = 1-6 the larger shared GEMMs hold the SMs the one-program top-k and alignment need.
+    # The layer bench (the method of record: 16 rotated input sets and router / shared copies, one
+    # graph of forwards; all_call5_bb965db.log, two runs of the new rule) disagreed at Pro-TP8 T = 1
+    # and 3: the session-29 fork 31.3 / 57.2 us against 33.7 and 33.7 / 58.2 and 58.1 after the
+    # logits (per call T=1 39.6 / 42.3), and agreed at T = 2 (43.8 / 41.9 and 41.8) and T = 4 (65.1 /
+    # 64.2 and 64.5). So after the logits at Pro-shaped T = 2 and 4-8 only.
     if intermediate >= 2048 and num_tokens == 1:
         return "align", f"T = 1, I = {intermediate}: shared expert forked after the routed alignment's launch"
-    if (0 < intermediate < 2048 and num_tokens <= 8) or (intermediate >= 2048 and 8 <= num_tokens <= 12):
+    if (0 < intermediate < 2048 and (num_tokens == 2 or 4 <= num_tokens <= 8)) \
+            or (intermediate >= 2048 and 8 <= num_tokens <= 12):
         return "logits", (f"T = {num_tokens}, I = {intermediate}: shared expert forked after the router's logits "
                           f"launch (measured faster on the H200)")
     return "front", "shared expert forked right after the front"

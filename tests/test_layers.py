@@ -240,7 +240,7 @@ def test_shared_overlap_policy_rule():
     other decode sizes (T = 2 again since session 28), above the band and for Pro-TP8's
     I/tp = 384 at every T (its session-22 in-line band at T = 3-4 measured slower in session 27);
     dispatch.shared_fork_policy: the fork after the routed alignment at Flash-shaped T = 1, after the
-    router's logits at Pro-shaped T <= 8 and Flash-shaped T = 8-12 (session 30), else after the front;
+    router's logits at Pro-shaped T = 2 and 4-8 and Flash-shaped T = 8-12 (session 30), else after the front;
     dispatch.shared_split_policy: unsplit shared GEMMs at Flash-shaped T = 2-4 only."""
     from dsv4_moe import dispatch
 
@@ -256,8 +256,8 @@ def test_shared_overlap_policy_rule():
     assert not ov and "1.50 routed rows per expert" in why and "I = 2048" in why
     assert [dispatch.shared_fork_policy(t, 2048)[0] for t in (1, 2, 7, 8, 12, 13, 16)] == \
         ["align", "front", "front", "logits", "logits", "front", "front"]
-    assert [dispatch.shared_fork_policy(t, 384)[0] for t in (1, 4, 8, 9, 16)] == \
-        ["logits", "logits", "logits", "front", "front"]
+    assert [dispatch.shared_fork_policy(t, 384)[0] for t in (1, 2, 3, 4, 8, 9, 16)] == \
+        ["front", "logits", "front", "logits", "logits", "front", "front"]
 
 
 def test_shared_fork_switch(monkeypatch):

@@ -90,10 +90,9 @@ def test_auto_mode_scopes_and_policy(monkeypatch):
     # the Flash-shaped layer overlapped (unsplit shared GEMMs) at T = 2-6: early (session 28)
     assert [dispatch.pdl_policy(t, True, 2048)[0] for t in (1, 2, 3, 4, 5, 6, 8)] == \
         ["early", "early", "early", "early", "early", "early", "exit"]
-    # the Pro-TP8-shaped layer, its shared expert forked after the logits: early to T = 2, then at exit
-    # (session 30; "off" at T = 4 before)
+    # the Pro-TP8-shaped layer: early to T = 3, then at exit (session 30; "off" at T = 4 before)
     assert [dispatch.pdl_policy(t, True, 384)[0] for t in (1, 2, 3, 4, 5, 16)] == \
-        ["early", "early", "exit", "exit", "exit", "exit"]
+        ["early", "early", "early", "exit", "exit", "exit"]
     assert "measured faster than at exit" in dispatch.pdl_policy(2, True, 384)[1]
     assert dispatch.pdl_policy(4, False, 2048)[0] == "early"
     assert "I = 2048" in dispatch.pdl_policy(3, True, 2048)[1]
