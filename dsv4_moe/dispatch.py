@@ -234,11 +234,13 @@ def shared_fork_policy(num_tokens: int, intermediate: int) -> tuple[str, str]:
     # graph of forwards; all_call5_bb965db.log, two runs of the new rule) disagreed at Pro-TP8 T = 1
     # and 3: the session-29 fork 31.3 / 57.2 us against 33.7 and 33.7 / 58.2 and 58.1 after the
     # logits (per call T=1 39.6 / 42.3), and agreed at T = 2 (43.8 / 41.9 and 41.8) and T = 4 (65.1 /
-    # 64.2 and 64.5). So after the logits at Pro-shaped T = 2 and 4-8 only.
+    # 64.2 and 64.5). So after the logits at Pro-shaped T = 2 and 4-8 only. The rule's run
+    # (all_call6_1adb013.log, us, after the logits / after the front): Pro-TP8 T=5 73.2 / 74.2, T=6
+    # 79.0 / 82.5, T=8 92.8 / 93.1; Flash T=8 203.2 / 203.5, T=10 234.7 / 235.8, T=12 275.1 / 275.2 -
+    # level, so the Flash-shaped layer keeps its fork after the front there.
     if intermediate >= 2048 and num_tokens == 1:
         return "align", f"T = 1, I = {intermediate}: shared expert forked after the routed alignment's launch"
-    if (0 < intermediate < 2048 and (num_tokens == 2 or 4 <= num_tokens <= 8)) \
-            or (intermediate >= 2048 and 8 <= num_tokens <= 12):
+    if 0 < intermediate < 2048 and (num_tokens == 2 or 4 <= num_tokens <= 8):
         return "logits", (f"T = {num_tokens}, I = {intermediate}: shared expert forked after the router's logits "
                           f"launch (measured faster on the H200)")
     return "front", "shared expert forked right after the front"

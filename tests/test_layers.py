@@ -240,7 +240,7 @@ def test_shared_overlap_policy_rule():
     other decode sizes (T = 2 again since session 28), above the band and for Pro-TP8's
     I/tp = 384 at every T (its session-22 in-line band at T = 3-4 measured slower in session 27);
     dispatch.shared_fork_policy: the fork after the routed alignment at Flash-shaped T = 1, after the
-    router's logits at Pro-shaped T = 2 and 4-8 and Flash-shaped T = 8-12 (session 30), else after the front;
+    router's logits at Pro-shaped T = 2 and 4-8 (session 30), else after the front;
     dispatch.shared_split_policy: unsplit shared GEMMs at Flash-shaped T = 2-4 only."""
     from dsv4_moe import dispatch
 
@@ -254,8 +254,8 @@ def test_shared_overlap_policy_rule():
     assert all(dispatch.shared_overlap_policy(t, **pro)[0] for t in (1, 2, 3, 4, 5, 16, 64, 256, 1024, 8192))
     ov, why = dispatch.shared_overlap_policy(64, **flash)
     assert not ov and "1.50 routed rows per expert" in why and "I = 2048" in why
-    assert [dispatch.shared_fork_policy(t, 2048)[0] for t in (1, 2, 7, 8, 12, 13, 16)] == \
-        ["align", "front", "front", "logits", "logits", "front", "front"]
+    assert [dispatch.shared_fork_policy(t, 2048)[0] for t in (1, 2, 8, 12, 16)] == \
+        ["align", "front", "front", "front", "front"]
     assert [dispatch.shared_fork_policy(t, 384)[0] for t in (1, 2, 3, 4, 8, 9, 16)] == \
         ["front", "logits", "front", "logits", "logits", "front", "front"]
 
@@ -268,7 +268,7 @@ def test_shared_fork_switch(monkeypatch):
     cfg = MoEConfig(hidden_size=256, moe_intermediate_size=2048, n_routed_experts=8, num_experts_per_tok=4,
                     num_hidden_layers=2, num_hash_layers=0, vocab_size=64)
     layer = DeepseekV4MoE(cfg, random_layer_weights(cfg, layer_idx=1, seed=1))
-    assert [layer._shared_fork(t) for t in (1, 2, 8, 16)] == ["align", "front", "logits", "front"]
+    assert [layer._shared_fork(t) for t in (1, 2, 8, 16)] == ["align", "front", "front", "front"]
     for point in ("logits", "front", "align"):
         monkeypatch.setattr(layers, "SHARED_FORK", point)
         assert layer._shared_fork(1) == point == layer._shared_fork(16)
@@ -280,12 +280,18 @@ def test_shared_fork_switch(monkeypatch):
     monkeypatch.setattr(layer, "shared_overlap", lambda t: (True, "on a side stream"))  # as on CUDA
     assert "forked after the routed alignment (T = 1, I = 2048" in layer._shared_line(1)
     assert "forked right after the front" in layer._shared_line(2)
-    assert "forked after the router's logits launch" in layer._shared_line(8)
     assert layer._shared_line(3).endswith("decode GEMMs unsplit (N / 64 programs), leaving SMs to the routed front "
                                           "(measured faster on the H200)")
     assert layer._shared_line(16).endswith("decode GEMMs on their in-line split-K grids")
     monkeypatch.setattr(layers, "SHARED_FORK", "logits")
     assert "forked after the router's logits launch" in layer._shared_line(2)
+    monkeypatch.setattr(layers, "SHARED_FORK", "auto")
+    pro = DeepseekV4MoE(cfg.replace(moe_intermediate_size=384), random_layer_weights(
+        cfg.replace(moe_intermediate_size=384), layer_idx=1, seed=1))
+    monkeypatch.setattr(pro, "shared_overlap", lambda t: (True, "on a side stream"))
+    assert [pro._shared_fork(t) for t in (1, 2, 3, 4, 8, 9)] == ["front", "logits", "front", "logits", "logits", "front"]
+    assert "forked after the router's logits launch (on the quant_in_logits front; else after the front) " \
+           "(T = 2, I = 384: shared expert forked after the router's logits launch" in pro._shared_line(2)
 
 
 def test_shared_split_switch(monkeypatch):
