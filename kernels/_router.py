@@ -48,7 +48,7 @@ def _router_logits_kernel(
     q_ptr=None, s_ptr=None, p_ptr=None,  # QUANT: act_quant(x) outputs (see _quant_share)
     stride_q=0, stride_s=0, stride_p=0, quant_step=1,
     QUANT: tl.constexpr = False, PAIRS: tl.constexpr = 0, QUANT_ROUNDS: tl.constexpr = 1,
-    SOFTWARE: tl.constexpr = False,
+    SOFTWARE: tl.constexpr = False, ROW_LOOP: tl.constexpr = False,
 ):
     """logits[t, e] = sum_h x[t, h] * W[e, h] on the CUDA cores, fp32 accumulation.
 
@@ -60,7 +60,7 @@ def _router_logits_kernel(
     g mod quant_step (= the grid's first dimension) of the token tile's row of programs."""
     pdl_enter(PDL)
     _logits_tile(x_ptr, w_ptr, out_ptr, tl.program_id(0), tl.program_id(1), T, E, stride_x, stride_w, stride_o,
-                 H, BLOCK_T, BLOCK_E, BLOCK_H, NUM_STAGES, False)
+                 H, BLOCK_T, BLOCK_E, BLOCK_H, NUM_STAGES, False, ROW_LOOP)
     if QUANT:
         _quant_share(x_ptr, q_ptr, s_ptr, p_ptr, tl.program_id(1), T, stride_x, stride_q, stride_s, stride_p,
                      tl.program_id(0), quant_step, 0, (H + 127) // 128, H, BLOCK_T, QUANT_ROUNDS, PAIRS, SOFTWARE)
@@ -150,28 +150,42 @@ def _router_logits_mma_kernel(
 @triton.jit
 def _logits_tile(x_ptr, w_ptr, out_ptr, pid_e, pid_t, T, E, stride_x, stride_w, stride_o,
                  H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                 NUM_STAGES: tl.constexpr, SCORES: tl.constexpr):
+                 NUM_STAGES: tl.constexpr, SCORES: tl.constexpr, ROW_LOOP: tl.constexpr = False):
     """One [BLOCK_T, BLOCK_E] tile of the logits (the GEMV's program body; also run by
-    `_route_front_kernel`, so both give the same bits for the same block shape and warps).
-    SCORES: store sqrt(softplus(logit)) instead (GPU only; the same function the top-k
-    kernel applies to the logits it loads, so the same bits)."""
+    `_route_front_kernel`, so both give the same bits for the same block shape, warps and
+    ROW_LOOP). SCORES: store sqrt(softplus(logit)) instead (GPU only; the same function the
+    top-k kernel applies to the logits it loads, so the same bits).
+    ROW_LOOP (BLOCK_H >= H): the program's whole gate rows are loaded at once, then each of
+    its BLOCK_T tokens in turn is dotted with them - all of the weight bytes in flight at
+    once, as the T <= 2 form, without a [BLOCK_T, BLOCK_E, BLOCK_H] product in registers."""
     tt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     ee = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     hh = tl.arange(0, BLOCK_H)
     t_ok = tt < T
     e_ok = ee < E
-    x_ptrs = x_ptr + tl.where(t_ok, tt, 0).to(tl.int64)[:, None] * stride_x + hh[None, :]
     w_ptrs = w_ptr + tl.where(e_ok, ee, 0).to(tl.int64)[:, None] * stride_w + hh[None, :]
-    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    for h0 in tl.range(0, H, BLOCK_H, num_stages=NUM_STAGES):
-        h_ok = (h0 + hh) < H
-        x = tl.load(x_ptrs + h0, mask=h_ok[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs + h0, mask=h_ok[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    if SCORES:
-        acc = _sqrt_softplus(acc)
-    o_ptrs = out_ptr + tt.to(tl.int64)[:, None] * stride_o + ee[None, :]
-    tl.store(o_ptrs, acc, mask=t_ok[:, None] & e_ok[None, :])
+    if ROW_LOOP:
+        h_ok = hh < H
+        w = tl.load(w_ptrs, mask=h_ok[None, :], other=0.0).to(tl.float32)       # [BLOCK_E, BLOCK_H]
+        for i in tl.static_range(BLOCK_T):
+            t = pid_t * BLOCK_T + i
+            xv = tl.load(x_ptr + t.to(tl.int64) * stride_x + hh, mask=h_ok & (t < T), other=0.0).to(tl.float32)
+            s = tl.sum(w * xv[None, :], axis=1)                                   # [BLOCK_E]
+            if SCORES:
+                s = _sqrt_softplus(s)
+            tl.store(out_ptr + t.to(tl.int64) * stride_o + ee, s, mask=e_ok & (t < T))
+    else:  # NOTE: if / else, not an early return (Triton compiles the code after a return too)
+        x_ptrs = x_ptr + tl.where(t_ok, tt, 0).to(tl.int64)[:, None] * stride_x + hh[None, :]
+        acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+        for h0 in tl.range(0, H, BLOCK_H, num_stages=NUM_STAGES):
+            h_ok = (h0 + hh) < H
+            x = tl.load(x_ptrs + h0, mask=h_ok[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs + h0, mask=h_ok[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        if SCORES:
+            acc = _sqrt_softplus(acc)
+        o_ptrs = out_ptr + tt.to(tl.int64)[:, None] * stride_o + ee[None, :]
+        tl.store(o_ptrs, acc, mask=t_ok[:, None] & e_ok[None, :])
 
 
 @triton.jit

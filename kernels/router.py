@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["route_topk", "router_logits", "router_logits_gemv", "router_logits_mma", "gemv_blocks", "mma_blocks",
-           "logits_path",
-           "GEMV_MAX_T", "MMA_MAX_T", "check_route_args"]
+__all__ = ["route_topk", "router_logits", "router_logits_gemv", "router_logits_mma", "gemv_blocks", "gemv_row_loop",
+           "mma_blocks", "logits_path",
+           "GEMV_MAX_T", "GEMV_ROW_LOOP_MAX_T", "MMA_MAX_T", "check_route_args"]
 
 _E_MAX = 4096  # one register vector per token; DeepSeek-V4 has E <= 384
 # NOTE: the logits GEMV replaces cuBLAS up to this many tokens. H200, CUDA graphs, gate
@@ -50,6 +50,15 @@ _E_MAX = 4096  # one register vector per token; DeepSeek-V4 has E <= 384
 #                          T=8 11.93 vs 18.98
 # (the session-4 router, cuBLAS + torch softplus + sqrt + top-k: 14.2-15.3 us at T <= 4).
 GEMV_MAX_T = 4
+# From 3 tokens to this many, the GEMV's programs take one whole gate row each (all its bytes in
+# flight at once, as at T <= 2) and loop over their tokens (`_logits_tile` ROW_LOOP) instead of
+# streaming 2 rows in 1024-wide steps: session 30's lead (the T = 4 GEMV read the Pro gate at 0.8
+# TB/s, 6.8 us in the layer's timeline, against 4.0-4.5 us for the one-row T = 1 form). Built and
+# tested on the CPU in session 30, NOT timed on the H200 yet (no device time left): 0 = off (the
+# default) until a layer A/B says otherwise. Also the logits tile of route_front (same bits).
+GEMV_ROW_LOOP_MAX_T = 0
+# warps of that form (a [1, H_pad] fp32 gate row and one token's row: 2 x 32 values per thread at 8)
+GEMV_ROW_LOOP_WARPS = 8
 # NOTE (session 26): from GEMV_MAX_T + 1 to MMA_MAX_T tokens the logits come from a Triton
 # tensor-core kernel split over H with an in-kernel ordered reduction (`router_logits_mma`,
 # one launch) instead of cuBLAS, whose split-K GEMM + reduce took 6.4-7.2 us end to end at T =
@@ -123,6 +132,12 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.float() @ weight.float().t()
 
 
+def gemv_row_loop(t: int, h: int | None = None) -> bool:
+    """Whether the logits GEMV runs its one-row, token-loop form for T tokens (hidden size h;
+    GEMV_ROW_LOOP_MAX_T, off by default)."""
+    return h is not None and 3 <= t <= min(GEMV_ROW_LOOP_MAX_T, 8) and h <= 8192
+
+
 def gemv_blocks(t: int, h: int | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_E, BLOCK_H, num_warps) of the logits GEMV for T tokens (hidden size h):
     1-2 gate rows per program (128-384 programs for E = 256-384), up to 8 tokens per program,
@@ -130,6 +145,8 @@ def gemv_blocks(t: int, h: int | None = None) -> tuple[int, int, int, int]:
     h given, up to 8192) a program takes its whole gate row in one step, so all its loads are
     in flight at once."""
     bt = min(8, 1 << max(0, t - 1).bit_length())
+    if gemv_row_loop(t, h):
+        return bt, 1, max(64, 1 << (h - 1).bit_length()), GEMV_ROW_LOOP_WARPS
     if h is not None and t <= 2 and h <= 8192:
         # NOTE: H200, session 10 (gpu_check_router.py --parts time, 32 rotated gate copies,
         # docs/bench/2026-11-29/session10/check_router_time_8359f1f.txt), us, BLOCK_H 1024 ->
@@ -169,11 +186,13 @@ def router_logits_gemv(x: torch.Tensor, weight: torch.Tensor,
     if t == 0:
         return out
     bt, be, bh, warps = blocks or gemv_blocks(t, h)
+    row_loop = blocks is None and gemv_row_loop(t, h)
     x = x.contiguous()
     weight = weight.contiguous()
     _router_logits_kernel[(triton.cdiv(e, be), triton.cdiv(t, bt))](
         x, weight, out, t, e, x.stride(0), weight.stride(0), out.stride(0),
-        H=h, BLOCK_T=bt, BLOCK_E=be, BLOCK_H=bh, NUM_STAGES=3, num_warps=warps, **pdl_options(x.device),
+        H=h, BLOCK_T=bt, BLOCK_E=be, BLOCK_H=bh, NUM_STAGES=3, num_warps=warps, ROW_LOOP=row_loop,
+        **pdl_options(x.device),
         **_quant_args(quant, triton.cdiv(e, be), triton.cdiv(h, 128)), SOFTWARE=interpreting())
     return out
 

@@ -269,3 +269,27 @@ def test_after_logits_hook():
     assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
     with pytest.raises(ValueError, match="after_logits: needs act_quant"):
         route_topk(x, w, bias, None, None, 4, SCALE, logits_impl="gemv", after_logits=lambda *a: None)
+
+
+@pytest.mark.parametrize("t,e,h", [(3, 40, 200), (4, 384, 512), (5, 16, 96), (8, 9, 256)])
+def test_logits_gemv_row_loop(monkeypatch, t, e, h):
+    """router.GEMV_ROW_LOOP_MAX_T (off by default, untimed): one whole gate row per program and a
+    loop over the program's tokens. Within fp32 accumulation error of the float64 sum (a wrong
+    row, a dropped token or a missed tail column would be far outside it), exact sums bitwise,
+    and the form really taken (one gate row per program)."""
+    from dsv4_moe.kernels import router as router_mod
+
+    monkeypatch.setattr(router_mod, "GEMV_ROW_LOOP_MAX_T", 8)
+    assert router_mod.gemv_row_loop(t, h) and gemv_blocks(t, h)[1] == 1 and gemv_blocks(t, h)[2] >= h
+    g = torch.Generator().manual_seed(t * 10 + h)
+    x = torch.randn(t, h, generator=g).bfloat16()
+    w = (torch.randn(e, h, generator=g) * 0.05).bfloat16()
+    got = router_logits_gemv(x, w)
+    exact = x.double() @ w.double().T
+    bound = 4 * h * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)
+    assert got.shape == (t, e) and ((got.double() - exact).abs() <= bound).all()
+    w1 = torch.zeros(e, h).bfloat16()
+    w1[torch.arange(e), torch.arange(e) * 5 % h] = -3.0
+    assert torch.equal(router_logits_gemv(x, w1), x.float() @ w1.float().T)
+    monkeypatch.setattr(router_mod, "GEMV_ROW_LOOP_MAX_T", 0)
+    assert not router_mod.gemv_row_loop(t, h) and not router_mod.gemv_row_loop(2, h)
