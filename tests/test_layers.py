@@ -144,7 +144,7 @@ def test_explain_routed_gemm_plan(monkeypatch):
     assert up.kind == "tile" and "(one MMA chain over K), 168-register cap" in layer.explain(256), layer.explain(256)
 
 
-def test_explain_router_sub_choices():
+def test_explain_router_sub_choices(monkeypatch):
     """The router's reason names how the logits and the scores are computed for this T on
     a CUDA context (planning never launches anything, so it runs on the CPU)."""
     from dsv4_moe.kernels.router import GEMV_MAX_T, MMA_MAX_T
@@ -156,6 +156,16 @@ def test_explain_router_sub_choices():
     assert f"logits by the Triton tensor-core kernel (T <= {MMA_MAX_T}, bf16 gate)" in reason(GEMV_MAX_T + 1)
     assert "logits by cuBLAS (fp32 out)" in reason(MMA_MAX_T + 1)
     assert "sqrt(softplus) in the top-k kernel" in reason(1)
+    from dsv4_moe.kernels import router as router_mod
+
+    assert "token-loop form" not in reason(3)
+    monkeypatch.setattr(router_mod, "GEMV_ROW_LOOP_MAX_T", 4)  # the untimed opt-in form names itself
+    dispatch.clear_plan_cache()
+    try:
+        assert "token-loop form (router.GEMV_ROW_LOOP_MAX_T)" in reason(3) and "token-loop form" not in reason(2)
+    finally:
+        monkeypatch.undo()
+        dispatch.clear_plan_cache()
 
 
 def test_force_paths_validates_and_fails_closed():
