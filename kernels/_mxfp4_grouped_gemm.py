@@ -284,6 +284,7 @@ def _mxfp4_grouped_gemm_swap_kernel(
     FOLD_WAIT: tl.constexpr = True,  # folded: wait on each block's MMAs (GemmConfig.fold_order "wait"), else "split"
     N_FASTEST: tl.constexpr = False,  # grid (N blocks, M blocks, splits) instead of (M, N, splits)
     A_PAD: tl.constexpr = 1,  # the A row a padding row reads (_a_rows; mxfp4_grouped_gemm.A_PAD_ROWS)
+    PERSIST: tl.constexpr = False,  # GemmConfig.persistent: a 1-D grid looping over the items (see below)
 ):
     """Swapped operands: out^T[n, rows] = W[n, k] . A^T[k, rows]. The dequantised weight
     tile is the MMA's first operand (kept in registers on Hopper: no shared-memory round
@@ -296,17 +297,55 @@ def _mxfp4_grouped_gemm_swap_kernel(
     each block's MMA before it, no scale loads in the loop (H200, session 15: 1.04-1.20x on
     the decode GEMMs). The products are the same exact values; the fp32 sums are associated
     per MMA step instead of per 128-block (the deviation docs/DESIGN.md describes). With
-    SPLIT each program writes its one partial to ws[pid_k] (ws [splits, R, N])."""
+    SPLIT each program writes its one partial to ws[pid_k] (ws [splits, R, N]).
+
+    PERSIST (session 30, not yet timed): the grid is 1-D and each program walks the items
+    (M-block, N-block, split) - N fastest - of the valid blocks in a loop flattened with the K
+    loop (`tl.range(..., flatten=True)`), so Triton's pipeliner issues the next item's first
+    K-step loads while the current item's last steps run (checked on the TTGIR, offline). Every
+    item is computed exactly as by its own program: the same bits."""
     pdl_enter(PDL)
-    if N_FASTEST:
-        pid_m = tl.program_id(1)
-        pid_n = tl.program_id(0)
+    if PERSIST:
+        NT = tl.cdiv(N, BLOCK_N)
+        S: tl.constexpr = ((K + 127) // 128 + KB_PER - 1) // KB_PER
+        n_items = tl.load(num_blocks_ptr) * NT * S
+        for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0), flatten=True):
+            rest = item // NT
+            _swap_item(rest // S, item % NT, rest % S,
+                       a_ptr, sa_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, sorted_ids_ptr, block_expert_ptr, N, R,
+                       top_k, stride_am, stride_sam, stride_we, stride_wn, stride_swe, stride_swn, stride_om,
+                       A_GATHER, OUT_SCATTER, K, BLOCK_M, BLOCK_N, NUM_STAGES, KB_PER, SPLIT, SOFTWARE_BF16,
+                       SELECT_SUBNORMAL, ASM, W_SWZ, W_ENC, A_BF16, DIAG, LOOP_UNROLL, FOLD_SA, FOLD_WAIT,
+                       A_PAD)
     else:
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    if pid_m >= tl.load(num_blocks_ptr):
-        return
+        if N_FASTEST:
+            pid_m = tl.program_id(1)
+            pid_n = tl.program_id(0)
+        else:
+            pid_m = tl.program_id(0)
+            pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        if pid_m >= tl.load(num_blocks_ptr):
+            return
+        _swap_item(pid_m, pid_n, pid_k,
+                   a_ptr, sa_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, sorted_ids_ptr, block_expert_ptr, N, R,
+                   top_k, stride_am, stride_sam, stride_we, stride_wn, stride_swe, stride_swn, stride_om,
+                   A_GATHER, OUT_SCATTER, K, BLOCK_M, BLOCK_N, NUM_STAGES, KB_PER, SPLIT, SOFTWARE_BF16,
+                   SELECT_SUBNORMAL, ASM, W_SWZ, W_ENC, A_BF16, DIAG, LOOP_UNROLL, FOLD_SA, FOLD_WAIT, A_PAD)
+
+
+@triton.jit
+def _swap_item(pid_m, pid_n, pid_k,
+               a_ptr, sa_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, sorted_ids_ptr, block_expert_ptr, N, R, top_k,
+               stride_am, stride_sam, stride_we, stride_wn, stride_swe, stride_swn, stride_om,
+               A_GATHER: tl.constexpr, OUT_SCATTER: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, KB_PER: tl.constexpr, SPLIT: tl.constexpr,
+               SOFTWARE_BF16: tl.constexpr, SELECT_SUBNORMAL: tl.constexpr, ASM: tl.constexpr,
+               W_SWZ: tl.constexpr, W_ENC: tl.constexpr, A_BF16: tl.constexpr, DIAG: tl.constexpr,
+               LOOP_UNROLL: tl.constexpr, FOLD_SA: tl.constexpr, FOLD_WAIT: tl.constexpr,
+               A_PAD: tl.constexpr):
+    """One item of the swap kernel: rows of M-block pid_m x weight rows of N-block pid_n over
+    split pid_k's K blocks (the kernel's whole body before session 30)."""
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     route = tl.load(sorted_ids_ptr + rows)
