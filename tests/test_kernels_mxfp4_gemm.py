@@ -515,8 +515,6 @@ def test_pro_down_block_n_same_bits(monkeypatch, t):
     changes), scattered, K = 384, non-local slots unwritten; the switches reach the configs and
     leave the Flash-shaped down alone."""
     from dsv4_moe.kernels import routed_experts as rx
-    from dsv4_moe.kernels.mxfp4_grouped_gemm import bf16_pairs
-    from dsv4_moe.weights.mma_layout import to_mma64e
 
     def configs(t, e=384, i=384, h=7168):
         rx._routed_configs.cache_clear()
@@ -530,20 +528,29 @@ def test_pro_down_block_n_same_bits(monkeypatch, t):
     assert (down.kind, down.block_m, down.block_n, down.fold_sa, down.a_bf16) == ("swap", 16, 64, True, t > 1)
     assert all(configs(u, 256, 2048, 4096)[1].block_n == 128 for u in (1, 2, 16))
     rx._routed_configs.cache_clear()
-    _, _, _, _, ids = _mma64_case(5)
+    _short_k_down_twins(down, [dict(block_n=64), dict(block_n=128)], seed=5, data_seed=9)
+
+
+def _short_k_down_twins(down, changes, seed, data_seed, t=5):
+    """The 16-row short-K (K = 384) down of `down` on "mma64e" weights, once per dict of config
+    changes: bitwise the same outputs, scattered, the route to another rank's expert unwritten."""
+    from dsv4_moe.kernels.mxfp4_grouped_gemm import bf16_pairs
+    from dsv4_moe.weights.mma_layout import to_mma64e
+
+    _, _, _, _, ids = _mma64_case(seed, t=t)
     e, (n_tok, k) = 6, ids.shape
     a = moe_align(ids.int(), e, 0, 16)
-    g = torch.Generator().manual_seed(9)
+    g = torch.Generator().manual_seed(data_seed)
     wd, sd = _weights(e, 256, 384, g)
     hq, hs = ref.act_quant(torch.randn(a.max_rows, 384, generator=g).bfloat16() * 3)
     sentinel = torch.full((n_tok * k, 256), 7.0, dtype=torch.bfloat16)
     pairs = dict(a_pairs=bf16_pairs(hq, hs), a_pairs_scaled=True) if down.a_bf16 else {}
     ys = [mxfp4_grouped_gemm(hq, hs, to_mma64e(wd), sd, a, gather_a=False, scatter_out=True, layout="mma64e",
-                             config=dataclasses.replace(down, block_n=bn), out=sentinel.clone(), **pairs)
-          for bn in (64, 128)]
-    assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16))
+                             config=dataclasses.replace(down, **ch), out=sentinel.clone(), **pairs) for ch in changes]
     other = ids.flatten() >= e                      # the route to another rank's expert: unwritten
-    assert other.any() and (ys[0][other] == 7.0).all() and not (ys[0][~other] == 7.0).all(dim=1).any()
+    for y in ys:
+        assert torch.equal(y.view(torch.int16), ys[0].view(torch.int16))
+        assert other.any() and (y[other] == 7.0).all() and not (y[~other] == 7.0).all(dim=1).any()
 
 
 def test_swz_dequant_ptx_halves_bitwise():
@@ -1222,24 +1229,8 @@ def test_persistent_pro_down_config_same_bits(t):
     """The shipped Pro-TP8 16-row down config of T = 1 / 4 (folded, short K, unrolled) with a
     persistent grid: the per-item grid's bits, scattered, non-local slots unwritten."""
     from dsv4_moe.kernels import routed_experts as rx
-    from dsv4_moe.kernels.mxfp4_grouped_gemm import bf16_pairs
-    from dsv4_moe.weights.mma_layout import to_mma64e
-
     rx._routed_configs.cache_clear()
     down = rx._routed_configs(t * 6, 384, 384, 7168, "mma64e", True, True, True)[1]
     rx._routed_configs.cache_clear()
     assert down.kind == "swap" and down.block_m == 16 and down.persistent == 0
-    _, _, _, _, ids = _mma64_case(6, t=9)
-    e, (n_tok, k) = 6, ids.shape
-    a = moe_align(ids.int(), e, 0, 16)
-    g = torch.Generator().manual_seed(3)
-    wd, sd = _weights(e, 256, 384, g)
-    hq, hs = ref.act_quant(torch.randn(a.max_rows, 384, generator=g).bfloat16() * 3)
-    sentinel = torch.full((n_tok * k, 256), 7.0, dtype=torch.bfloat16)
-    pairs = dict(a_pairs=bf16_pairs(hq, hs), a_pairs_scaled=True) if down.a_bf16 else {}
-    ys = [mxfp4_grouped_gemm(hq, hs, to_mma64e(wd), sd, a, gather_a=False, scatter_out=True, layout="mma64e",
-                             config=dataclasses.replace(down, persistent=p), out=sentinel.clone(), **pairs)
-          for p in (0, 2)]
-    assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16))
-    other = ids.flatten() >= e
-    assert other.any() and (ys[1][other] == 7.0).all() and not (ys[1][~other] == 7.0).all(dim=1).any()
+    _short_k_down_twins(down, [dict(persistent=0), dict(persistent=2)], seed=6, data_seed=3, t=9)
