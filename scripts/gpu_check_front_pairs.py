@@ -1,7 +1,10 @@
 """H200 check (session 24): the one-launch decode front's outputs against the separate
 launches it merges, output by output, with and without bf16 pairs.
 
-    OUT=./out python3 scripts/gpu_check_front_pairs.py
+    OUT=./out python3 scripts/gpu_check_front_pairs.py [--tokens 1,2,3,4] [--set MODULE.ATTR=V ...]
+
+(session 31: --tokens and --set, e.g. `--tokens 1-8 --set
+dsv4_moe.kernels.router.GEMV_ROW_LOOP_MAX_T=8` checks the token-loop logits GEMV's tiles.)
 
 Session 24's gpu_check_layer found the whole layer with the fused front (force_paths(
 front="fused")) differing from the separate front at T = 2 only, once the decode gate_up took
@@ -12,6 +15,7 @@ GEMV's warps and at 4 warps (route_front's `_warps`). Writes $OUT/front_pairs.js
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -28,14 +32,31 @@ def _same(a, b):
     return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+def _tokens(spec: str) -> list[int]:
+    out = []
+    for part in spec.split(","):
+        a, _, b = part.partition("-")
+        out.extend(range(int(a), int(b or a) + 1))
+    if not out or min(out) < 1:
+        raise ValueError(f"--tokens: expected token counts >= 1 such as '1,2,3' or '1-8', got {spec!r}")
+    return out
+
+
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="1,2,3,4", help="token counts, e.g. 1,2,3,4 or 1-8")
+    ap.add_argument("--set", action="append", default=[], help="MODULE.ATTR=V (repeatable), as bench_layer.py")
+    args = ap.parse_args()
+    from dsv4_moe.bench.run import _apply_set  # the layer bench's --set (same parsing, memo cleared)
+    for item in args.set:
+        print(_apply_set(item), flush=True)
     dev = torch.device("cuda")
     rows = []
     g = torch.Generator(device=dev).manual_seed(24)
     for name, e, h in (("flash", 256, 4096), ("pro", 384, 7168)):
         w = (torch.randn(e, h, device=dev, generator=g) * 0.02).bfloat16()
         bias = torch.randn(e, device=dev, generator=g) * 0.01
-        for t in (1, 2, 3, 4):
+        for t in _tokens(args.tokens):
             x = torch.randn(t, h, device=dev, generator=g).bfloat16()
             rw, rids = route_topk(x, w, bias, None, None, 6, 1.5)
             for pairs in (False, True, "scaled"):
