@@ -428,9 +428,9 @@ class DeepseekV4MoE(_NativeBuffers):
                              f", {cfg.maxnreg}-register cap" if cfg.maxnreg else "",
                              f", K loop unrolled {cfg.unroll}x" if cfg.unroll > 1 and cfg.kind == "swap" else
                              f", {cfg.unroll} K blocks per step" if cfg.unroll > 1 else "",
-                             ", weight blocks fastest in the grid" if cfg.n_fastest and not cfg.persistent else "",
-                             f", persistent grid ({cfg.persistent} programs per SM walking the items, untimed opt-in "
-                             f"routed_experts.PERSISTENT_UP / _DOWN)" if cfg.persistent else ""])
+                             ", weight blocks fastest in the grid" if cfg.n_fastest else "",
+                             ", its tile prefetched into the L2 before the PDL wait (untimed opt-in "
+                             "routed_experts.PREFETCH_DOWN)" if cfg.prefetch_l2 else ""])
             parts.append(f"{gemm} {cfg.kind} {cfg.block_m}x{cfg.block_n}, {cfg.num_warps} warps, "
                          f"{cfg.num_stages} stages{extra}")
         from .kernels.mxfp4_grouped_gemm import split_parts

@@ -151,13 +151,11 @@ class GemmConfig:
     # walks the M-blocks first. Same programs, same bits. routed_configs sets it on the unsplit
     # 32/64-row swap GEMMs (session 19: Flash layer T = 8192 1.10x; see routed_experts._n_fastest).
     n_fastest: bool = False
-    # "swap" (session 30, NOT yet timed on the H200): programs per SM of a persistent 1-D grid
-    # whose programs loop over the (M-block, N-block, split) items, the item loop flattened with
-    # the K loop so the next item's first loads are issued during the current item's last K
-    # steps (the decode GEMMs' per-item setup latency is docs/DESIGN.md's lead 1); 0 = one
-    # program per item (the grid of every shipped config). Same bits either way. The items are
-    # walked N fastest whatever n_fastest says.
-    persistent: int = 0
+    # "swap" with the "mma64" / "mma64e" layouts (session 31): each program asks the L2 for its
+    # weight tile and scale rows before its PDL wait (prefetch.global.L2; the kernel's PREFETCH_L2).
+    # Never changes a value; it pays only where block_expert was written before the previous
+    # launch began (routed_experts sets it on the down GEMM, behind the SwiGLU-quant).
+    prefetch_l2: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("tile", "swap", "gemv"):
@@ -183,10 +181,8 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.fold_order={self.fold_order!r}: expected 'wait' or 'split'")
         if not isinstance(self.split_k, int) or self.split_k < 1 or (self.split_k > 1 and self.kind == "tile"):
             raise ValueError(f"GemmConfig.split_k={self.split_k!r}: expected an int >= 1 (1 for kind 'tile')")
-        if isinstance(self.persistent, bool) or not isinstance(self.persistent, int) or self.persistent < 0 \
-                or (self.persistent and self.kind != "swap"):
-            raise ValueError(f"GemmConfig.persistent={self.persistent!r}: expected an int >= 0 (programs per SM; "
-                             f"0 = off), > 0 only with kind 'swap' (kind={self.kind!r})")
+        if self.prefetch_l2 and self.kind != "swap":
+            raise ValueError(f"GemmConfig.prefetch_l2=True needs kind 'swap', got kind={self.kind!r}")
 
 
 def select_config(num_routes: int, num_local: int, n: int, k: int, layout: str = "nk") -> GemmConfig:
@@ -390,14 +386,6 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
     return out
 
 
-def _num_sms(device: torch.device) -> int:
-    """SMs of a CUDA device (cached by torch); 4 elsewhere (the interpreter: a few programs,
-    each walking several items, so the loop is exercised)."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _launch_opts(cfg: GemmConfig) -> dict:
     """Extra Triton launch options of a config (the interpreter ignores them)."""
     return {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
@@ -416,6 +404,18 @@ def bf16_pairs(q: torch.Tensor, sa: torch.Tensor | None = None) -> torch.Tensor:
     # session-5 profile showed `.to` + `.reshape` as two copy kernels, ~5 us at T = 16)
     out.view(m, k // 128, 2, 64).copy_(q.view(m, k // 128, 64, 2).transpose(2, 3))
     return out
+
+
+def _prefetch_args(cfg: GemmConfig, swz: bool, n: int, k: int, kb_per: int, w4: torch.Tensor) -> dict:
+    """The swap kernel's L2-prefetch arguments (GemmConfig.prefetch_l2): on the GPU, "mma64" /
+    "mma64e" weights in whole 128-blocks only; lines of 128 bytes, one per element."""
+    import triton  # noqa: PLC0415
+
+    from ._triton_utils import interpreting
+    if not (cfg.prefetch_l2 and swz and k % 128 == 0) or interpreting():
+        return {}
+    return dict(PREFETCH_L2=True, PF_LINES=triton.next_power_of_2(cfg.block_n // 64 * kb_per * 32),
+                PF_SLINES=triton.next_power_of_2(-(-cfg.block_n * (k // 32) // 128)), num_experts=w4.shape[0])
 
 
 def _split_shape(split_k: int, k: int) -> tuple[int, int]:
@@ -449,10 +449,7 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
     parts = splits if cfg.fold_sa else kb
     ws = torch.empty((parts, r, n) if split else (1,), dtype=torch.float32, device=q.device)
     grid = (align.max_blocks, triton.cdiv(n, cfg.block_n), splits)
-    persist = cfg.kind == "swap" and cfg.persistent > 0
-    if persist:  # at most persistent x SMs programs, never more than the items there can be
-        grid = (max(1, min(grid[0] * grid[1] * grid[2], cfg.persistent * _num_sms(q.device))),)
-    elif cfg.n_fastest:
+    if cfg.n_fastest:
         if align.max_blocks > 65535:  # CUDA's grid y limit
             raise ValueError(f"config.n_fastest=True: {align.max_blocks} M-blocks exceed the grid's y limit "
                              f"65535; use n_fastest=False")
@@ -468,7 +465,8 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
         _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, W_SWZ=swz, W_ENC=enc, A_BF16=cfg.a_bf16,
                                               DIAG=cfg.diag, LOOP_UNROLL=cfg.unroll, FOLD_SA=cfg.fold_sa,
                                               FOLD_WAIT=cfg.fold_order == "wait", N_FASTEST=cfg.n_fastest,
-                                              A_PAD=A_PAD_ROWS, PERSIST=persist, **common)
+                                              A_PAD=A_PAD_ROWS, **_prefetch_args(cfg, swz, n, k, kb_per, w4),
+                                              **common)
     else:
         _mxfp4_gemv_kernel[grid](*args, UNROLL=cfg.unroll, **common)
     if split and not reduce:

@@ -149,16 +149,13 @@ FOLD_SWAP = os.environ.get("DSV4_MOE_FOLD_SWAP", "1").strip() not in ("0", "", "
 # m-blocks fastest everywhere (the A/B switch of the measurement in _n_fastest's note).
 N_FASTEST = os.environ.get("DSV4_MOE_N_FASTEST", "1").strip() not in ("0", "", "false", "off")
 N_FASTEST_MIN_BLOCK_M = 32
-# Persistent decode grids (GemmConfig.persistent, session 30, NOT yet timed on the H200): programs
-# per SM for the 16-row swap GEMMs of gate_up / down (0 = one program per item, the default). The
-# item loop is flattened with the K loop, so the next item's first loads are issued during the
-# current item's last K steps: docs/DESIGN.md's lead 1 (the decode down's per-item latency).
-# Offline sm_90a compiles (mma64e, default decode configs, persistent / not): Pro-TP8 down T=1 76 /
-# 66 registers and its loads pipelined (cp.async) where the per-item body has none, gate_up 174 /
-# 132 at T=1; no wgmma register hazard; the 112-register-capped Pro gate_up of T=16 spills 24
-# bytes. A/B switches.
-PERSISTENT_UP = 0
-PERSISTENT_DOWN = 0
+# NOTE (session 31, H200, measured and removed): persistent decode grids for the 16-row swap GEMMs
+# (session 30's GemmConfig.persistent) were slower at every T and programs-per-SM count tried;
+# figures in _mxfp4_grouped_gemm_swap_kernel's docstring.
+# The down GEMM's programs ask the L2 for their weight tile before their PDL wait
+# (GemmConfig.prefetch_l2): its predecessor is the SwiGLU-quant, so the alignment's block_expert is
+# already visible there. Session 31, NOT timed yet: off until a layer A/B says otherwise.
+PREFETCH_DOWN = False
 # Rows per local expert from which the Flash-shaped (I >= 2048) folded swap GEMMs take 64-row
 # blocks (see _base_configs' session 18-20 notes).
 FLASH_SWAP64_MIN_ROWS = 40.0
@@ -273,13 +270,13 @@ UP_SPLIT_PAIRS = True
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
     """(gate_up config, down config); both share BLOCK_M because they share one alignment."""
     return _routed_configs(num_routes, routed.num_local, routed.intermediate, routed.hidden, routed.layout,
-                           FOLD_ACT_SCALE, FOLD_SWAP, N_FASTEST, PERSISTENT_UP, PERSISTENT_DOWN)
+                           FOLD_ACT_SCALE, FOLD_SWAP, N_FASTEST, PREFETCH_DOWN)
 
 
 @functools.lru_cache(maxsize=4096)
 def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str, fold: bool,
-                    fold_swap: bool, n_fastest: bool = False, persistent_up: int = 0,
-                    persistent_down: int = 0) -> tuple[GemmConfig, GemmConfig]:
+                    fold_swap: bool, n_fastest: bool = False,
+                    prefetch_down: bool = False) -> tuple[GemmConfig, GemmConfig]:
     """routed_configs on the shapes and the module switches it reads (memoised: an eager
     forward asks twice, ~70 us of host time each on the H200's host before)."""
     up, down = _base_configs(num_routes, num_local, i, h, layout, fold and fold_swap)
@@ -294,10 +291,8 @@ def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str
         up, down = _mma64e_configs(up, down, i, num_routes / max(num_local, 1))
     if n_fastest:
         up, down = _n_fastest(up, num_routes, num_local), _n_fastest(down, num_routes, num_local)
-    if persistent_up and up.kind == "swap" and up.block_m == 16:
-        up = dataclasses.replace(up, persistent=persistent_up)
-    if persistent_down and down.kind == "swap" and down.block_m == 16:
-        down = dataclasses.replace(down, persistent=persistent_down)
+    if prefetch_down and down.kind == "swap" and down.block_m == 16 and layout in ("mma64", "mma64e"):
+        down = dataclasses.replace(down, prefetch_l2=True)
     return up, down
 
 

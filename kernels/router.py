@@ -38,7 +38,7 @@ import torch
 
 __all__ = ["route_topk", "router_logits", "router_logits_gemv", "router_logits_mma", "gemv_blocks", "gemv_row_loop",
            "mma_blocks", "logits_path",
-           "GEMV_MAX_T", "GEMV_ROW_LOOP_MAX_T", "MMA_MAX_T", "check_route_args"]
+           "GEMV_MAX_T", "GEMV_ROW_LOOP_MAX_T", "GEMV_PREWAIT", "MMA_MAX_T", "check_route_args"]
 
 _E_MAX = 4096  # one register vector per token; DeepSeek-V4 has E <= 384
 # NOTE: the logits GEMV replaces cuBLAS up to this many tokens. H200, CUDA graphs, gate
@@ -59,6 +59,11 @@ GEMV_MAX_T = 4
 GEMV_ROW_LOOP_MAX_T = 0
 # warps of that form (a [1, H_pad] fp32 gate row and one token's row: 2 x 32 values per thread at 8)
 GEMV_ROW_LOOP_WARPS = 8
+# The whole-row GEMV forms (T <= 2, and the token-loop form) load their gate rows before the PDL
+# wait (`_router_logits_kernel` PREWAIT): the gate weight is static, so its DRAM round trip may
+# overlap the previous kernel's tail (in a graph of forwards, the previous layer's finalize).
+# Session 31, NOT timed yet: off (False) until a layer A/B says otherwise. Same bits either way.
+GEMV_PREWAIT = False
 # NOTE (session 26): from GEMV_MAX_T + 1 to MMA_MAX_T tokens the logits come from a Triton
 # tensor-core kernel split over H with an in-kernel ordered reduction (`router_logits_mma`,
 # one launch) instead of cuBLAS, whose split-K GEMM + reduce took 6.4-7.2 us end to end at T =
@@ -138,6 +143,12 @@ def gemv_row_loop(t: int, h: int | None = None) -> bool:
     return h is not None and 3 <= t <= min(GEMV_ROW_LOOP_MAX_T, 8) and h <= 8192
 
 
+def gemv_prewait(block_h: int, h: int) -> bool:
+    """Whether the logits GEMV loads its gate rows before its PDL wait (GEMV_PREWAIT, off by
+    default): only in the whole-row forms (block_h >= h), where that load is the only one."""
+    return bool(GEMV_PREWAIT) and block_h >= h
+
+
 def gemv_blocks(t: int, h: int | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_E, BLOCK_H, num_warps) of the logits GEMV for T tokens (hidden size h):
     1-2 gate rows per program (128-384 programs for E = 256-384), up to 8 tokens per program,
@@ -189,10 +200,11 @@ def router_logits_gemv(x: torch.Tensor, weight: torch.Tensor,
     row_loop = blocks is None and gemv_row_loop(t, h)
     x = x.contiguous()
     weight = weight.contiguous()
+    pdl = pdl_options(x.device)
     _router_logits_kernel[(triton.cdiv(e, be), triton.cdiv(t, bt))](
         x, weight, out, t, e, x.stride(0), weight.stride(0), out.stride(0),
         H=h, BLOCK_T=bt, BLOCK_E=be, BLOCK_H=bh, NUM_STAGES=3, num_warps=warps, ROW_LOOP=row_loop,
-        **pdl_options(x.device),
+        PREWAIT=gemv_prewait(bh, h), **pdl,
         **_quant_args(quant, triton.cdiv(e, be), triton.cdiv(h, 128)), SOFTWARE=interpreting())
     return out
 

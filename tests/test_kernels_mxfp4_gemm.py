@@ -1154,83 +1154,31 @@ def test_session23_config_switches(monkeypatch, name, value, check):
 
 
 
-@pytest.mark.parametrize("layout,bm,bn,split,fold", [("nk", 16, 64, 1, False), ("mma64e", 16, 128, 2, False),
-                                                     ("mma64e", 32, 64, 1, True), ("mma64", 16, 64, 3, True)],
-                         ids=["nk16x64", "mma64e16x128-split2", "mma64e32x64-folded", "mma64-16x64-split3-folded"])
-def test_persistent_swap_bitwise(layout, bm, bn, split, fold):
-    """GemmConfig.persistent (session 30, untimed): a 1-D grid of a few programs, each walking
-    its (M-block, N-block, split) items in a loop, gives every item's bits exactly as one
-    program per item - gate_up (gathered; with split-K partials) and the short-K down
-    (scattered, K = 384), with a route to another rank's expert left unwritten; the interpreter
-    grid is 4 programs per "SM" x 4, so every program takes several items."""
-    from dsv4_moe.kernels.act_quant import act_quant
-    from dsv4_moe.weights.mma_layout import to_mma64, to_mma64e
-
-    conv = {"nk": lambda x: x, "mma64": to_mma64, "mma64e": to_mma64e}[layout]
-    w, s, q, sa, ids = _mma64_case(11, t=7)
-    e, (t, k) = w.shape[0], ids.shape
-    a = moe_align(ids.int(), e, 0, bm)
-    base = GemmConfig(bm, bn, 4, 2, kind="swap", split_k=split, a_bf16=fold, fold_sa=fold)
-    extra = {}
-    if fold:
-        x = torch.randn(t, w.shape[2] * 2, generator=torch.Generator().manual_seed(4)).bfloat16()
-        q, sa, pairs = act_quant(x, pairs="scaled")
-        extra = {"a_pairs": pairs, "a_pairs_scaled": True}
-    outs = [mxfp4_grouped_gemm(q, sa, conv(w), s, a, gather_a=True, scatter_out=False, layout=layout,
-                               config=dataclasses.replace(base, persistent=p), **extra) for p in (0, 1)]
-    rows = a.route_rows.long()[ids.flatten() < e]
-    assert rows.numel() > 0
-    assert torch.equal(outs[1][rows].view(torch.int16), outs[0][rows].view(torch.int16))
-    if not fold:  # and it is the GEMM (a wrong item mapping would not be close)
-        local = (ids.flatten() < e).nonzero().flatten().tolist()
-        exp = torch.cat([ref.fp4_gemm(q[r // k:r // k + 1], sa[r // k:r // k + 1], w[ids.flatten()[r]],
-                                      s[ids.flatten()[r]]) for r in local])
-        _assert_close(outs[1][rows], exp, "persistent gate_up")
-    g = torch.Generator().manual_seed(12)
-    wd, sd = _weights(e, 128, 384, g)
-    hq, hs = ref.act_quant(torch.randn(a.max_rows, 384, generator=g).bfloat16())
-    down = dataclasses.replace(base, a_bf16=False, fold_sa=False)
-    sentinel = torch.full((t * k, 128), 7.0, dtype=torch.bfloat16)   # non-local slots stay unwritten
-    ys = [mxfp4_grouped_gemm(hq, hs, conv(wd), sd, a, gather_a=False, scatter_out=True, layout=layout,
-                             config=dataclasses.replace(down, persistent=p), out=sentinel.clone()) for p in (0, 1)]
-    assert torch.equal(ys[1].view(torch.int16), ys[0].view(torch.int16))
-    assert (ys[1][ids.flatten() >= e] == 7.0).all()
-
-
-def test_persistent_guard():
-    for bad in (-1, True, 1.5):
-        with pytest.raises(ValueError, match="GemmConfig.persistent="):
-            GemmConfig(16, 64, kind="swap", persistent=bad)
-    with pytest.raises(ValueError, match="only with kind 'swap'"):
-        GemmConfig(16, 64, kind="tile", persistent=2)
-    assert GemmConfig(16, 64, kind="swap", persistent=3).persistent == 3
-
-
-def test_persistent_switches_in_routed_configs(monkeypatch):
-    """routed_experts.PERSISTENT_UP / _DOWN (off by default, untimed) put the persistent grid on the
-    16-row swap configs only, and the layer's routed output keeps its bits with them on."""
+def test_prefetch_l2_guard_and_switch(monkeypatch):
+    """GemmConfig.prefetch_l2 (session 31, untimed): kind "swap" only; routed_experts.PREFETCH_DOWN
+    (off by default) puts it on the 16-row "mma64" / "mma64e" down configs only, never on the
+    gate_up (whose block_expert comes from the launch just before it); the interpreter never
+    takes it (no inline PTX there), so the launch arguments are empty on the CPU."""
+    from dsv4_moe.kernels import mxfp4_grouped_gemm as mg
     from dsv4_moe.kernels import routed_experts as rx
 
+    with pytest.raises(ValueError, match="prefetch_l2=True needs kind 'swap'"):
+        GemmConfig(16, 64, kind="tile", prefetch_l2=True)
     r = RoutedExpertWeights(torch.empty(1, dtype=torch.uint8).expand(384, 768, 3584),
                             torch.empty(1, dtype=torch.float8_e8m0fnu).expand(384, 768, 224),
                             torch.empty(1, dtype=torch.uint8).expand(384, 7168, 192),
                             torch.empty(1, dtype=torch.float8_e8m0fnu).expand(384, 7168, 12), 0, 384, "mma64e")
-    assert all(c.persistent == 0 for t in (1, 4, 4096) for c in rx.routed_configs(6 * t, r))
-    monkeypatch.setattr(rx, "PERSISTENT_UP", 2)
-    monkeypatch.setattr(rx, "PERSISTENT_DOWN", 3)
-    up, down = rx.routed_configs(6, r)
-    assert (up.persistent, down.persistent) == (2, 3) and up.block_m == down.block_m == 16
-    up, down = rx.routed_configs(6 * 4096, r)
-    assert up.block_m > 16 and up.persistent == down.persistent == 0
-
-
-@pytest.mark.parametrize("t", [1, 4])
-def test_persistent_pro_down_config_same_bits(t):
-    """The shipped Pro-TP8 16-row down config of T = 1 / 4 (folded, short K, unrolled) with a
-    persistent grid: the per-item grid's bits, scattered, non-local slots unwritten."""
-    from dsv4_moe.kernels import routed_experts as rx
-    rx._routed_configs.cache_clear()
-    down = rx._routed_configs(t * 6, 384, 384, 7168, "mma64e", True, True, True)[1]
-    rx._routed_configs.cache_clear()
-    assert down.kind == "swap" and down.block_m == 16 and down.persistent == 0
-    _short_k_down_twins(down, [dict(persistent=0), dict(persistent=2)], seed=6, data_seed=3, t=9)
+    assert not any(c.prefetch_l2 for t in (1, 4, 4096) for c in rx.routed_configs(6 * t, r))
+    monkeypatch.setattr(rx, "PREFETCH_DOWN", True)
+    try:
+        up, down = rx.routed_configs(6, r)
+        assert down.prefetch_l2 and not up.prefetch_l2 and down.block_m == 16
+        up, down = rx.routed_configs(6 * 4096, r)
+        assert not down.prefetch_l2 and down.block_m > 16
+        nk = dataclasses.replace(r, layout="nk")
+        assert not any(c.prefetch_l2 for c in rx.routed_configs(6, nk))
+    finally:
+        monkeypatch.setattr(rx, "PREFETCH_DOWN", False)
+        rx._routed_configs.cache_clear()
+    assert mg._prefetch_args(GemmConfig(16, 64, kind="swap", prefetch_l2=True), True, 7168, 384, 3,
+                             torch.empty(0)) == {}

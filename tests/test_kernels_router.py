@@ -293,3 +293,27 @@ def test_logits_gemv_row_loop(monkeypatch, t, e, h):
     assert torch.equal(router_logits_gemv(x, w1), x.float() @ w1.float().T)
     monkeypatch.setattr(router_mod, "GEMV_ROW_LOOP_MAX_T", 0)
     assert not router_mod.gemv_row_loop(t, h) and not router_mod.gemv_row_loop(2, h)
+
+
+@pytest.mark.parametrize("t,e,h,row_loop", [(1, 40, 200, 0), (2, 384, 512, 0), (1, 16, 96, 0), (3, 40, 200, 8),
+                                            (5, 9, 256, 8)])
+def test_logits_gemv_prewait_same_bits(monkeypatch, t, e, h, row_loop):
+    """router.GEMV_PREWAIT (off by default, untimed): the whole-row forms load their gate rows
+    before the PDL wait - the same values into the same arithmetic, so the same bits as without
+    it, at T = 1-2 and in the token-loop form; the other forms never take it."""
+    from dsv4_moe.kernels import router as router_mod
+
+    monkeypatch.setattr(router_mod, "GEMV_ROW_LOOP_MAX_T", row_loop)
+    g = torch.Generator().manual_seed(t * 7 + h)
+    x = torch.randn(t, h, generator=g).bfloat16()
+    w = (torch.randn(e, h, generator=g) * 0.05).bfloat16()
+    monkeypatch.setattr(router_mod, "GEMV_PREWAIT", False)
+    want = router_logits_gemv(x, w)
+    monkeypatch.setattr(router_mod, "GEMV_PREWAIT", True)
+    bh = gemv_blocks(t, h)[2]
+    assert bh >= h and router_mod.gemv_prewait(bh, h)
+    got = router_logits_gemv(x, w)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    exact = x.double() @ w.double().T
+    assert ((got.double() - exact).abs() <= 4 * h * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)).all()
+    assert not router_mod.gemv_prewait(1024, 4096)  # the streamed forms load inside their loop

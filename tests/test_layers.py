@@ -122,11 +122,11 @@ def test_explain_routed_gemm_plan(monkeypatch):
     assert (up.kind, up.block_m) == ("swap", 64) and "down swap 64x128" in layer.explain(256), layer.explain(256)
     assert up.n_fastest and "weight blocks fastest in the grid" in layer.explain(256)
     assert "weight blocks fastest" not in layer.explain(16)  # 16-row blocks keep the m-blocks fastest
-    assert "persistent grid" not in layer.explain(16)
-    monkeypatch.setattr(rx, "PERSISTENT_DOWN", 2)  # the untimed opt-in names itself
-    assert rx.routed_configs(16 * CFG.num_experts_per_tok, layer.routed)[1].persistent == 2
-    assert "persistent grid (2 programs per SM walking the items" in layer.explain(16)
-    monkeypatch.setattr(rx, "PERSISTENT_DOWN", 0)
+    assert "prefetched into the L2" not in layer.explain(16)
+    monkeypatch.setattr(rx, "PREFETCH_DOWN", True)  # the untimed opt-in names itself
+    assert rx.routed_configs(16 * CFG.num_experts_per_tok, layer.routed)[1].prefetch_l2
+    assert "down swap" in layer.explain(16) and "prefetched into the L2 before the PDL wait" in layer.explain(16)
+    monkeypatch.setattr(rx, "PREFETCH_DOWN", False)
     # a gate_up split over K (hidden 256: two 128-blocks, so 2 partials): the SwiGLU-quant sums
     # them itself (SWIGLU_SUMS_SPLIT), or after the reduce launch when switched off / unfused
     from dsv4_moe.kernels.mxfp4_grouped_gemm import GemmConfig
