@@ -237,7 +237,13 @@ def main(argv=None) -> int:
                         "'mma64e' each T is also checked bitwise against the 'mma64' twin layer)")
     p.add_argument("--tokens", default="", help="comma-separated T list for the flash / pro-tp8 cases "
                                                   "(default: the full or --quick list)")
+    p.add_argument("--set", action="append", default=[],
+                   help="MODULE.ATTR=V (repeatable), as bench_layer.py: module switches set before anything "
+                        "is built, e.g. to check an opt-in path")
     args = p.parse_args(argv)
+    from dsv4_moe.bench.run import _apply_set  # the layer bench's --set (same parsing, memo cleared)
+    for item in args.set:
+        print(_apply_set(item), flush=True)
     out_dir = os.environ.get("OUT", "./out")
     os.makedirs(out_dir, exist_ok=True)
     rows: list[dict] = []
