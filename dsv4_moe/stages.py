@@ -90,9 +90,9 @@ def router_triton_supported(ctx: DispatchContext):
     gpu = ctx.device.type == "cuda"
     rt = _kernel("router")
     gemv_max, mma_max = rt.GEMV_MAX_T, rt.MMA_MAX_T
-    row_loop = " in its one-gate-row token-loop form (router.GEMV_ROW_LOOP_MAX_T)" \
-        if rt.gemv_row_loop(ctx.num_tokens, ctx.hidden) else ""
-    logits = (f"logits by the Triton GEMV (T <= {gemv_max}){row_loop}" if gpu and ctx.num_tokens <= gemv_max
+    prewait = " with its gate rows loaded before the PDL wait" if ctx.hidden and rt.gemv_prewait(
+        ctx.num_tokens, ctx.hidden, rt.gemv_blocks(ctx.num_tokens, ctx.hidden)[2]) else ""
+    logits = (f"logits by the Triton GEMV (T <= {gemv_max}){prewait}" if gpu and ctx.num_tokens <= gemv_max
               else f"logits by the Triton tensor-core kernel (T <= {mma_max}, bf16 gate)"
               if gpu and ctx.num_tokens <= mma_max
               else "logits by cuBLAS (fp32 out)" if gpu else "logits by torch matmul")

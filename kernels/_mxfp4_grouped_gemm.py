@@ -54,7 +54,7 @@ import triton.language as tl
 from ._mxfp4_dequant import (_dequant_w, _dequant_w_asm, _dequant_w_swz_asm, _dequant_w_swz_asm_half, _mma64e_decode,
                              _mma64_tile_ptrs, _mma64_unswizzle,
                              _nibbles_to_f32)
-from ._triton_utils import l2_prefetch, pdl_enter, round_to_bf16
+from ._triton_utils import pdl_enter, round_to_bf16
 
 
 @triton.jit
@@ -284,10 +284,6 @@ def _mxfp4_grouped_gemm_swap_kernel(
     FOLD_WAIT: tl.constexpr = True,  # folded: wait on each block's MMAs (GemmConfig.fold_order "wait"), else "split"
     N_FASTEST: tl.constexpr = False,  # grid (N blocks, M blocks, splits) instead of (M, N, splits)
     A_PAD: tl.constexpr = 1,  # the A row a padding row reads (_a_rows; mxfp4_grouped_gemm.A_PAD_ROWS)
-    PREFETCH_L2: tl.constexpr = False,  # GemmConfig.prefetch_l2 (W_SWZ only): this program's weight
-    PF_LINES: tl.constexpr = 1,         # and scale lines asked of the L2 before the PDL wait; the
-    PF_SLINES: tl.constexpr = 1,        # 128-byte lines of each (powers of two >= their counts)
-    num_experts=1,                      # w's experts (a prefetch never leaves them)
 ):
     """Swapped operands: out^T[n, rows] = W[n, k] . A^T[k, rows]. The dequantised weight
     tile is the MMA's first operand (kept in registers on Hopper: no shared-memory round
@@ -302,20 +298,18 @@ def _mxfp4_grouped_gemm_swap_kernel(
     per MMA step instead of per 128-block (the deviation docs/DESIGN.md describes). With
     SPLIT each program writes its one partial to ws[pid_k] (ws [splits, R, N]).
 
-    PREFETCH_L2 (session 31): before pdl_enter's wait the program reads its block's expert and
-    asks the L2 for its weight tile and scale rows (`prefetch.global.L2`, no data returned), so
-    their DRAM round trip overlaps the previous kernel's tail. Results never depend on it (a
-    prefetch changes no value; an expert id read too early only prefetches other lines), but it
-    pays only when block_expert was written before the previous launch began - the routed
-    down, whose predecessor is the SwiGLU-quant, not the alignment.
-
     NOTE (session 30 built, session 31 measured and removed): a persistent 1-D grid whose
     programs walked the (M-block, N-block, split) items in a loop flattened with the K loop
     (Triton pipelined the next item's loads into the current one's K steps) was slower at every
     size tried: `gpu_profile_layer.py --ab ...PERSISTENT_DOWN=0,1,2,4` (programs per SM), us,
     Pro-TP8 T=1 32.6 / 43.3 / 37.7 / 35.4, T=8 92.6 / 151.1 / 116.0 / 100.3; Flash T=1 55.4 /
     62.2 / 59.2 / 58.2; the gate_up (=0,1,2) Pro-TP8 T=1 32.5 / 43.2 / 38.2, Flash T=8 205.5 /
-    329.2 / 255.7 (bitwise; docs/bench/2026-11-30/session31/). One program per item stays."""
+    329.2 / 255.7 (bitwise; docs/bench/2026-11-30/session31/). One program per item stays.
+    Also measured and removed in session 31: each down program asking the L2 for its weight tile
+    (prefetch.global.L2) before its PDL wait (block_expert is visible there: the alignment ran
+    two launches earlier) - level at Pro-TP8 T=1 (32.6 / 32.5 us), slower everywhere else (Pro-TP8
+    T=4 63.9 / 64.8, T=8 92.2 / 93.2; Flash T=1 54.7 / 55.5, T=2 76.2 / 80.6, T=8 204.8 / 219.5;
+    bitwise), as session 29's prefetch of the down's weights from the gate_up was."""
     if N_FASTEST:
         pid_m = tl.program_id(1)
         pid_n = tl.program_id(0)
@@ -323,9 +317,6 @@ def _mxfp4_grouped_gemm_swap_kernel(
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    if PREFETCH_L2:
-        _swap_prefetch_l2(pid_m, pid_n, pid_k, w_ptr, sw_ptr, block_expert_ptr, num_experts, N, stride_we,
-                          stride_wn, stride_swe, stride_swn, K, BLOCK_N, KB_PER, PF_LINES, PF_SLINES)
     pdl_enter(PDL)
     if pid_m >= tl.load(num_blocks_ptr):
         return
@@ -334,30 +325,6 @@ def _mxfp4_grouped_gemm_swap_kernel(
                top_k, stride_am, stride_sam, stride_we, stride_wn, stride_swe, stride_swn, stride_om,
                A_GATHER, OUT_SCATTER, K, BLOCK_M, BLOCK_N, NUM_STAGES, KB_PER, SPLIT, SOFTWARE_BF16,
                SELECT_SUBNORMAL, ASM, W_SWZ, W_ENC, A_BF16, DIAG, LOOP_UNROLL, FOLD_SA, FOLD_WAIT, A_PAD)
-
-
-@triton.jit
-def _swap_prefetch_l2(pid_m, pid_n, pid_k, w_ptr, sw_ptr, block_expert_ptr, num_experts, N, stride_we, stride_wn,
-                      stride_swe, stride_swn, K: tl.constexpr, BLOCK_N: tl.constexpr, KB_PER: tl.constexpr,
-                      PF_LINES: tl.constexpr, PF_SLINES: tl.constexpr):
-    """Ask the L2 for the "mma64" weight tile of item (pid_m, pid_n, pid_k) - per 64-row tile t,
-    KB_PER * 4096 contiguous bytes from t * 64 * stride_wn + kb0 * 4096 - and its experts' scale
-    rows n0 .. n0 + BLOCK_N (all of K), one 128-byte line per element; nothing past w / N / K."""
-    e = tl.load(block_expert_ptr + pid_m)
-    if (e >= 0) & (e < num_experts):
-        e64 = e.to(tl.int64)
-        line = tl.arange(0, PF_LINES)
-        per_tile: tl.constexpr = KB_PER * 32
-        tile = pid_n * (BLOCK_N // 64) + line // per_tile
-        kb = pid_k * KB_PER + (line % per_tile) // 32
-        ok = (line < (BLOCK_N // 64) * per_tile) & (tile < tl.cdiv(N, 64)) & (kb < K // 128)
-        off = tile.to(tl.int64) * 64 * stride_wn + pid_k * (KB_PER * 4096) + (line % per_tile) * 128
-        l2_prefetch(w_ptr + e64 * stride_we + tl.where(ok, off, 0), ok)
-        n0 = pid_n * BLOCK_N
-        s_bytes = (tl.minimum(N - n0, BLOCK_N) * stride_swn).to(tl.int64)
-        soff = tl.arange(0, PF_SLINES).to(tl.int64) * 128
-        sok = soff < s_bytes
-        l2_prefetch(sw_ptr + e64 * stride_swe + n0 * stride_swn + tl.where(sok, soff, 0), sok)
 
 
 @triton.jit

@@ -51,13 +51,12 @@ def _route_front_kernel(
     DIAG: tl.constexpr = 0,  # probes only (wrong results): 1 = no routing / alignment, 2 = no quant
     PDL: tl.constexpr = 0,
     SORTED: tl.constexpr = False,  # the alignment by sorting (moe_align's default form), else the compares
-    ROW_LOOP: tl.constexpr = False,  # the GEMV's one-row token-loop form (router.gemv_row_loop)
 ):
     pdl_enter(PDL)
     pid_e = tl.program_id(0)
     pid_t = tl.program_id(1)
     _logits_tile(x_ptr, w_ptr, logits_ptr, pid_e, pid_t, T, E, stride_x, stride_w, stride_l,
-                 H, BLOCK_T, BLOCK_E, BLOCK_H, NUM_STAGES, APPLY_SCORES, ROW_LOOP)
+                 H, BLOCK_T, BLOCK_E, BLOCK_H, NUM_STAGES, APPLY_SCORES)
     nprog = tl.num_programs(0) * tl.num_programs(1)
     pid = pid_t * tl.num_programs(0) + pid_e
     G: tl.constexpr = (H + 127) // 128

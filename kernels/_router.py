@@ -48,8 +48,8 @@ def _router_logits_kernel(
     q_ptr=None, s_ptr=None, p_ptr=None,  # QUANT: act_quant(x) outputs (see _quant_share)
     stride_q=0, stride_s=0, stride_p=0, quant_step=1,
     QUANT: tl.constexpr = False, PAIRS: tl.constexpr = 0, QUANT_ROUNDS: tl.constexpr = 1,
-    SOFTWARE: tl.constexpr = False, ROW_LOOP: tl.constexpr = False,
-    PREWAIT: tl.constexpr = False,  # router.GEMV_PREWAIT: the gate rows loaded before the PDL wait
+    SOFTWARE: tl.constexpr = False,
+    PREWAIT: tl.constexpr = False,  # router.gemv_prewait: the gate rows loaded before the PDL wait
 ):
     """logits[t, e] = sum_h x[t, h] * W[e, h] on the CUDA cores, fp32 accumulation.
 
@@ -59,18 +59,18 @@ def _router_logits_kernel(
     BLOCK_E rows once, where cuBLAS's split-K GEMV needs a second (reduce) launch.
     QUANT: the programs also quantise x (act_quant, fp32 scales), group g by program
     g mod quant_step (= the grid's first dimension) of the token tile's row of programs.
-    PREWAIT (BLOCK_H >= H, the whole-row forms): the program's gate rows - static weights, which
+    PREWAIT (BLOCK_H >= H, the whole-row forms of T <= 2): the program's gate rows - static weights, which
     no kernel of the forward writes - are loaded before pdl_enter's wait, so their DRAM round
     trip overlaps the previous kernel's tail; x and everything after the wait as before."""
     if PREWAIT:
         w_pre = _gate_rows(w_ptr, tl.program_id(0), E, stride_w, H, BLOCK_E, BLOCK_H)
         pdl_enter(PDL)
         _logits_tile(x_ptr, w_ptr, out_ptr, tl.program_id(0), tl.program_id(1), T, E, stride_x, stride_w,
-                     stride_o, H, BLOCK_T, BLOCK_E, BLOCK_H, NUM_STAGES, False, ROW_LOOP, True, w_pre)
+                     stride_o, H, BLOCK_T, BLOCK_E, BLOCK_H, NUM_STAGES, False, True, w_pre)
     else:
         pdl_enter(PDL)
         _logits_tile(x_ptr, w_ptr, out_ptr, tl.program_id(0), tl.program_id(1), T, E, stride_x, stride_w,
-                     stride_o, H, BLOCK_T, BLOCK_E, BLOCK_H, NUM_STAGES, False, ROW_LOOP)
+                     stride_o, H, BLOCK_T, BLOCK_E, BLOCK_H, NUM_STAGES, False)
     if QUANT:
         _quant_share(x_ptr, q_ptr, s_ptr, p_ptr, tl.program_id(1), T, stride_x, stride_q, stride_s, stride_p,
                      tl.program_id(0), quant_step, 0, (H + 127) // 128, H, BLOCK_T, QUANT_ROUNDS, PAIRS, SOFTWARE)
@@ -170,15 +170,12 @@ def _gate_rows(w_ptr, pid_e, E, stride_w, H: tl.constexpr, BLOCK_E: tl.constexpr
 @triton.jit
 def _logits_tile(x_ptr, w_ptr, out_ptr, pid_e, pid_t, T, E, stride_x, stride_w, stride_o,
                  H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                 NUM_STAGES: tl.constexpr, SCORES: tl.constexpr, ROW_LOOP: tl.constexpr = False,
+                 NUM_STAGES: tl.constexpr, SCORES: tl.constexpr,
                  W_GIVEN: tl.constexpr = False, w_given=0):
     """One [BLOCK_T, BLOCK_E] tile of the logits (the GEMV's program body; also run by
-    `_route_front_kernel`, so both give the same bits for the same block shape, warps and
-    ROW_LOOP). SCORES: store sqrt(softplus(logit)) instead (GPU only; the same function the
-    top-k kernel applies to the logits it loads, so the same bits).
-    ROW_LOOP (BLOCK_H >= H): the program's whole gate rows are loaded at once, then each of
-    its BLOCK_T tokens in turn is dotted with them - all of the weight bytes in flight at
-    once, as the T <= 2 form, without a [BLOCK_T, BLOCK_E, BLOCK_H] product in registers.
+    `_route_front_kernel`, so both give the same bits for the same block shape and warps).
+    SCORES: store sqrt(softplus(logit)) instead (GPU only; the same function the top-k kernel
+    applies to the logits it loads, so the same bits).
     W_GIVEN (BLOCK_H >= H): `w_given` is `_gate_rows`'s load, made by the caller (before its PDL
     wait); the same values, the same arithmetic."""
     tt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -187,20 +184,7 @@ def _logits_tile(x_ptr, w_ptr, out_ptr, pid_e, pid_t, T, E, stride_x, stride_w, 
     t_ok = tt < T
     e_ok = ee < E
     w_ptrs = w_ptr + tl.where(e_ok, ee, 0).to(tl.int64)[:, None] * stride_w + hh[None, :]
-    if ROW_LOOP:
-        h_ok = hh < H
-        if W_GIVEN:
-            w = w_given.to(tl.float32)
-        else:
-            w = tl.load(w_ptrs, mask=h_ok[None, :], other=0.0).to(tl.float32)   # [BLOCK_E, BLOCK_H]
-        for i in tl.static_range(BLOCK_T):
-            t = pid_t * BLOCK_T + i
-            xv = tl.load(x_ptr + t.to(tl.int64) * stride_x + hh, mask=h_ok & (t < T), other=0.0).to(tl.float32)
-            s = tl.sum(w * xv[None, :], axis=1)                                   # [BLOCK_E]
-            if SCORES:
-                s = _sqrt_softplus(s)
-            tl.store(out_ptr + t.to(tl.int64) * stride_o + ee, s, mask=e_ok & (t < T))
-    elif W_GIVEN:  # the one step of the loop below (BLOCK_H >= H), its weight load made already
+    if W_GIVEN:  # the one step of the loop below (BLOCK_H >= H), its weight load made already
         x_ptrs = x_ptr + tl.where(t_ok, tt, 0).to(tl.int64)[:, None] * stride_x + hh[None, :]
         acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
         x = tl.load(x_ptrs, mask=(hh < H)[None, :], other=0.0).to(tl.float32)

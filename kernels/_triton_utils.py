@@ -115,14 +115,6 @@ def pdl_enter(PDL: tl.constexpr):
 
 
 @triton.jit
-def l2_prefetch(ptrs, ok):
-    """`prefetch.global.L2` of each element's address where `ok` (one instruction per element, no
-    data returned, no value changed; GPU only - the callers take it only off the interpreter)."""
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-                              "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def ue8m0_from_amax(amax):
     """fp32 amax (> 0, NaN-free) -> (2^ceil(log2(amax/448)) as fp32, its exponent byte int32).
 

@@ -151,11 +151,6 @@ class GemmConfig:
     # walks the M-blocks first. Same programs, same bits. routed_configs sets it on the unsplit
     # 32/64-row swap GEMMs (session 19: Flash layer T = 8192 1.10x; see routed_experts._n_fastest).
     n_fastest: bool = False
-    # "swap" with the "mma64" / "mma64e" layouts (session 31): each program asks the L2 for its
-    # weight tile and scale rows before its PDL wait (prefetch.global.L2; the kernel's PREFETCH_L2).
-    # Never changes a value; it pays only where block_expert was written before the previous
-    # launch began (routed_experts sets it on the down GEMM, behind the SwiGLU-quant).
-    prefetch_l2: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("tile", "swap", "gemv"):
@@ -181,8 +176,6 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.fold_order={self.fold_order!r}: expected 'wait' or 'split'")
         if not isinstance(self.split_k, int) or self.split_k < 1 or (self.split_k > 1 and self.kind == "tile"):
             raise ValueError(f"GemmConfig.split_k={self.split_k!r}: expected an int >= 1 (1 for kind 'tile')")
-        if self.prefetch_l2 and self.kind != "swap":
-            raise ValueError(f"GemmConfig.prefetch_l2=True needs kind 'swap', got kind={self.kind!r}")
 
 
 def select_config(num_routes: int, num_local: int, n: int, k: int, layout: str = "nk") -> GemmConfig:
@@ -406,18 +399,6 @@ def bf16_pairs(q: torch.Tensor, sa: torch.Tensor | None = None) -> torch.Tensor:
     return out
 
 
-def _prefetch_args(cfg: GemmConfig, swz: bool, n: int, k: int, kb_per: int, w4: torch.Tensor) -> dict:
-    """The swap kernel's L2-prefetch arguments (GemmConfig.prefetch_l2): on the GPU, "mma64" /
-    "mma64e" weights in whole 128-blocks only; lines of 128 bytes, one per element."""
-    import triton  # noqa: PLC0415
-
-    from ._triton_utils import interpreting
-    if not (cfg.prefetch_l2 and swz and k % 128 == 0) or interpreting():
-        return {}
-    return dict(PREFETCH_L2=True, PF_LINES=triton.next_power_of_2(cfg.block_n // 64 * kb_per * 32),
-                PF_SLINES=triton.next_power_of_2(-(-cfg.block_n * (k // 32) // 128)), num_experts=w4.shape[0])
-
-
 def _split_shape(split_k: int, k: int) -> tuple[int, int]:
     """(splits, 128-blocks per split) of a split-K launch over K."""
     kb = -(-k // 128)
@@ -465,8 +446,7 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
         _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, W_SWZ=swz, W_ENC=enc, A_BF16=cfg.a_bf16,
                                               DIAG=cfg.diag, LOOP_UNROLL=cfg.unroll, FOLD_SA=cfg.fold_sa,
                                               FOLD_WAIT=cfg.fold_order == "wait", N_FASTEST=cfg.n_fastest,
-                                              A_PAD=A_PAD_ROWS, **_prefetch_args(cfg, swz, n, k, kb_per, w4),
-                                              **common)
+                                              A_PAD=A_PAD_ROWS, **common)
     else:
         _mxfp4_gemv_kernel[grid](*args, UNROLL=cfg.unroll, **common)
     if split and not reduce:

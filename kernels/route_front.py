@@ -30,7 +30,7 @@ import torch
 
 from . import moe_align as moe_align_mod
 from .moe_align import SMALL_MAX_ROWS, align_sizes, check_align_args, new_alignment
-from .router import GEMV_MAX_T, check_route_args, gemv_blocks, gemv_row_loop
+from .router import GEMV_MAX_T, check_route_args, gemv_blocks
 
 __all__ = ["route_front", "front_limits", "FRONT_MAX_T", "FRONT_MAX_ROUTES"]
 
@@ -129,7 +129,7 @@ def route_front(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         R_BLOCK=max(2, triton.next_power_of_2(r)), BLOCK_M=block_m,
         E_PAD_A=max(triton.next_power_of_2(num_local), 64),
         ROWS_PAD=triton.next_power_of_2(max_rows), MB_PAD=triton.next_power_of_2(max_blocks),
-        SORTED=sorted_align, ROW_LOOP=gemv_row_loop(t, h),
+        SORTED=sorted_align,
         num_warps=warps,
         # NOTE: libdevice without flush-to-zero, as route_topk (kernels/router.py says why)
         enable_reflect_ftz=False,

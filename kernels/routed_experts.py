@@ -152,10 +152,8 @@ N_FASTEST_MIN_BLOCK_M = 32
 # NOTE (session 31, H200, measured and removed): persistent decode grids for the 16-row swap GEMMs
 # (session 30's GemmConfig.persistent) were slower at every T and programs-per-SM count tried;
 # figures in _mxfp4_grouped_gemm_swap_kernel's docstring.
-# The down GEMM's programs ask the L2 for their weight tile before their PDL wait
-# (GemmConfig.prefetch_l2): its predecessor is the SwiGLU-quant, so the alignment's block_expert is
-# already visible there. Session 31, NOT timed yet: off until a layer A/B says otherwise.
-PREFETCH_DOWN = False
+# So was (session 31) the down GEMM's programs asking the L2 for their weight tile before their PDL
+# wait (level at Pro-TP8 T=1, 1-15 us slower elsewhere).
 # Rows per local expert from which the Flash-shaped (I >= 2048) folded swap GEMMs take 64-row
 # blocks (see _base_configs' session 18-20 notes).
 FLASH_SWAP64_MIN_ROWS = 40.0
@@ -270,13 +268,12 @@ UP_SPLIT_PAIRS = True
 def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmConfig, GemmConfig]:
     """(gate_up config, down config); both share BLOCK_M because they share one alignment."""
     return _routed_configs(num_routes, routed.num_local, routed.intermediate, routed.hidden, routed.layout,
-                           FOLD_ACT_SCALE, FOLD_SWAP, N_FASTEST, PREFETCH_DOWN)
+                           FOLD_ACT_SCALE, FOLD_SWAP, N_FASTEST)
 
 
 @functools.lru_cache(maxsize=4096)
 def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str, fold: bool,
-                    fold_swap: bool, n_fastest: bool = False,
-                    prefetch_down: bool = False) -> tuple[GemmConfig, GemmConfig]:
+                    fold_swap: bool, n_fastest: bool = False) -> tuple[GemmConfig, GemmConfig]:
     """routed_configs on the shapes and the module switches it reads (memoised: an eager
     forward asks twice, ~70 us of host time each on the H200's host before)."""
     up, down = _base_configs(num_routes, num_local, i, h, layout, fold and fold_swap)
@@ -291,8 +288,6 @@ def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str
         up, down = _mma64e_configs(up, down, i, num_routes / max(num_local, 1))
     if n_fastest:
         up, down = _n_fastest(up, num_routes, num_local), _n_fastest(down, num_routes, num_local)
-    if prefetch_down and down.kind == "swap" and down.block_m == 16 and layout in ("mma64", "mma64e"):
-        down = dataclasses.replace(down, prefetch_l2=True)
     return up, down
 
 

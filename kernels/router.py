@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["route_topk", "router_logits", "router_logits_gemv", "router_logits_mma", "gemv_blocks", "gemv_row_loop",
+__all__ = ["route_topk", "router_logits", "router_logits_gemv", "router_logits_mma", "gemv_blocks", "gemv_prewait",
            "mma_blocks", "logits_path",
-           "GEMV_MAX_T", "GEMV_ROW_LOOP_MAX_T", "GEMV_PREWAIT", "MMA_MAX_T", "check_route_args"]
+           "GEMV_MAX_T", "GEMV_PREWAIT", "MMA_MAX_T", "check_route_args"]
 
 _E_MAX = 4096  # one register vector per token; DeepSeek-V4 has E <= 384
 # NOTE: the logits GEMV replaces cuBLAS up to this many tokens. H200, CUDA graphs, gate
@@ -50,20 +50,23 @@ _E_MAX = 4096  # one register vector per token; DeepSeek-V4 has E <= 384
 #                          T=8 11.93 vs 18.98
 # (the session-4 router, cuBLAS + torch softplus + sqrt + top-k: 14.2-15.3 us at T <= 4).
 GEMV_MAX_T = 4
-# From 3 tokens to this many, the GEMV's programs take one whole gate row each (all its bytes in
-# flight at once, as at T <= 2) and loop over their tokens (`_logits_tile` ROW_LOOP) instead of
-# streaming 2 rows in 1024-wide steps: session 30's lead (the T = 4 GEMV read the Pro gate at 0.8
-# TB/s, 6.8 us in the layer's timeline, against 4.0-4.5 us for the one-row T = 1 form). Built and
-# tested on the CPU in session 30, NOT timed on the H200 yet (no device time left): 0 = off (the
-# default) until a layer A/B says otherwise. Also the logits tile of route_front (same bits).
-GEMV_ROW_LOOP_MAX_T = 0
-# warps of that form (a [1, H_pad] fp32 gate row and one token's row: 2 x 32 values per thread at 8)
-GEMV_ROW_LOOP_WARPS = 8
-# The whole-row GEMV forms (T <= 2, and the token-loop form) load their gate rows before the PDL
-# wait (`_router_logits_kernel` PREWAIT): the gate weight is static, so its DRAM round trip may
-# overlap the previous kernel's tail (in a graph of forwards, the previous layer's finalize).
-# Session 31, NOT timed yet: off (False) until a layer A/B says otherwise. Same bits either way.
-GEMV_PREWAIT = False
+# NOTE (session 30 built, session 31 measured and removed): a token-loop form of the GEMV for T =
+# 3-8 (one whole gate row per program, all its bytes in flight at once, then a loop over the
+# program's tokens) gave WRONG layers on the H200 at 8 warps - rel err 0.9 at T = 3 for Pro-TP8 and
+# Flash in the layer bench, also with the gate_up's bf16 pairs off, so not session 24's store_pairs
+# issue; the interpreter tests and gpu_check_front_pairs (route_front against route_topk, the same
+# tile code on both sides) could not see it; cause not found - and at 4 warps it was right but
+# slower than this GEMV (layer, graph of forwards, us: Pro-TP8 T=3 59.0 vs 57.5, Flash 106.3 vs
+# 105.0; T = 4-8 it was level or 3-4 us slower at 8 warps; docs/bench/2026-11-30/session31/).
+# The whole-row GEMV forms (T <= 2, BLOCK_H >= H) load their gate rows before the PDL wait
+# (`_router_logits_kernel` PREWAIT): the gate weight is static, so its DRAM round trip overlaps the
+# previous kernel's tail (in a graph of forwards, the previous layer's finalize). Same bits.
+# H200, session 31 (layer bench, graph of forwards, us, off / on, two runs at Flash): Flash T=1
+# 56.7 / 56.1 and 56.7 / 56.4, T=2 74.9 / 74.1 and 74.7 / 74.3; Pro-TP8 T=1 31.3 / 31.1, T=2 41.7 /
+# 42.5 (the profile A/B: Flash T=1 55.6 / 54.8, T=2 76.3 / 75.6, Pro-TP8 T=1 32.6 / 32.5, T=2
+# 43.2 / 43.4). So on at T = 1 and, up to GEMV_PREWAIT_MAX_H, at T = 2. A/B switch: False = off.
+GEMV_PREWAIT = True
+GEMV_PREWAIT_MAX_H = 4096
 # NOTE (session 26): from GEMV_MAX_T + 1 to MMA_MAX_T tokens the logits come from a Triton
 # tensor-core kernel split over H with an in-kernel ordered reduction (`router_logits_mma`,
 # one launch) instead of cuBLAS, whose split-K GEMM + reduce took 6.4-7.2 us end to end at T =
@@ -137,16 +140,11 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.float() @ weight.float().t()
 
 
-def gemv_row_loop(t: int, h: int | None = None) -> bool:
-    """Whether the logits GEMV runs its one-row, token-loop form for T tokens (hidden size h;
-    GEMV_ROW_LOOP_MAX_T, off by default)."""
-    return h is not None and 3 <= t <= min(GEMV_ROW_LOOP_MAX_T, 8) and h <= 8192
-
-
-def gemv_prewait(block_h: int, h: int) -> bool:
-    """Whether the logits GEMV loads its gate rows before its PDL wait (GEMV_PREWAIT, off by
-    default): only in the whole-row forms (block_h >= h), where that load is the only one."""
-    return bool(GEMV_PREWAIT) and block_h >= h
+def gemv_prewait(t: int, h: int, block_h: int) -> bool:
+    """Whether the logits GEMV loads its gate rows before its PDL wait (GEMV_PREWAIT): only in
+    the whole-row forms (block_h >= h, where that load is the only one), at T = 1 and, for
+    hidden sizes up to GEMV_PREWAIT_MAX_H, at T = 2 (see the note above GEMV_PREWAIT)."""
+    return bool(GEMV_PREWAIT) and block_h >= h and (t == 1 or h <= GEMV_PREWAIT_MAX_H)
 
 
 def gemv_blocks(t: int, h: int | None = None) -> tuple[int, int, int, int]:
@@ -156,8 +154,6 @@ def gemv_blocks(t: int, h: int | None = None) -> tuple[int, int, int, int]:
     h given, up to 8192) a program takes its whole gate row in one step, so all its loads are
     in flight at once."""
     bt = min(8, 1 << max(0, t - 1).bit_length())
-    if gemv_row_loop(t, h):
-        return bt, 1, max(64, 1 << (h - 1).bit_length()), GEMV_ROW_LOOP_WARPS
     if h is not None and t <= 2 and h <= 8192:
         # NOTE: H200, session 10 (gpu_check_router.py --parts time, 32 rotated gate copies,
         # docs/bench/2026-11-29/session10/check_router_time_8359f1f.txt), us, BLOCK_H 1024 ->
@@ -197,14 +193,13 @@ def router_logits_gemv(x: torch.Tensor, weight: torch.Tensor,
     if t == 0:
         return out
     bt, be, bh, warps = blocks or gemv_blocks(t, h)
-    row_loop = blocks is None and gemv_row_loop(t, h)
     x = x.contiguous()
     weight = weight.contiguous()
     pdl = pdl_options(x.device)
     _router_logits_kernel[(triton.cdiv(e, be), triton.cdiv(t, bt))](
         x, weight, out, t, e, x.stride(0), weight.stride(0), out.stride(0),
-        H=h, BLOCK_T=bt, BLOCK_E=be, BLOCK_H=bh, NUM_STAGES=3, num_warps=warps, ROW_LOOP=row_loop,
-        PREWAIT=gemv_prewait(bh, h), **pdl,
+        H=h, BLOCK_T=bt, BLOCK_E=be, BLOCK_H=bh, NUM_STAGES=3, num_warps=warps,
+        PREWAIT=gemv_prewait(t, h, bh), **pdl,
         **_quant_args(quant, triton.cdiv(e, be), triton.cdiv(h, 128)), SOFTWARE=interpreting())
     return out
 

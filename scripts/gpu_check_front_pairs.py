@@ -3,8 +3,9 @@ launches it merges, output by output, with and without bf16 pairs.
 
     OUT=./out python3 scripts/gpu_check_front_pairs.py [--tokens 1,2,3,4] [--set MODULE.ATTR=V ...]
 
-(session 31: --tokens and --set, e.g. `--tokens 1-8 --set
-dsv4_moe.kernels.router.GEMV_ROW_LOOP_MAX_T=8` checks the token-loop logits GEMV's tiles.)
+(session 31: --tokens and --set, e.g. `--set dsv4_moe.kernels.router.GEMV_PREWAIT=0`. Both sides
+run the same logits tile code, so an error they share passes here: session 31's token-loop GEMV
+was bitwise here at T = 1-8 and wrong in the layer bench - check a new form there too.)
 
 Session 24's gpu_check_layer found the whole layer with the fused front (force_paths(
 front="fused")) differing from the separate front at T = 2 only, once the decode gate_up took

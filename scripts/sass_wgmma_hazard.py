@@ -158,7 +158,6 @@ def enc_word_sources(ptx: str) -> tuple[int, int]:
 def config_constexprs(cfg, k: int, gather: bool) -> dict:
     """The constexprs mxfp4_grouped_gemm passes for GemmConfig `cfg` on a K-wide GEMM
     (mma64 weights, PDL early; keep in step with _launch_split and the tile launch)."""
-    import triton
     kb = -(-k // 128)
     splits = min(cfg.split_k, kb)
     kb_per = -(-kb // splits)
@@ -168,10 +167,7 @@ def config_constexprs(cfg, k: int, gather: bool) -> dict:
                 SELECT_SUBNORMAL=False, ASM=cfg.asm and (cfg.kind == "swap" or cfg.scale_bcast), W_SWZ=True,
                 A_BF16=cfg.a_bf16, DIAG=0, LOOP_UNROLL=cfg.unroll, PDL=1, FOLD_SA=cfg.fold_sa,
                 A_SPLIT=cfg.a_split, W_KN=cfg.w_kn, SCALE_BCAST=cfg.scale_bcast,
-                FOLD_WAIT=cfg.fold_order == "wait", N_FASTEST=cfg.n_fastest, W_ENC=False, A_PAD=_a_pad(),
-                **({"PREFETCH_L2": True, "PF_LINES": triton.next_power_of_2(cfg.block_n // 64 * kb_per * 32),
-                    "PF_SLINES": triton.next_power_of_2(-(-cfg.block_n * (k // 32) // 128))}
-                   if cfg.kind == "swap" and cfg.prefetch_l2 else {"PREFETCH_L2": False, "PF_LINES": 1, "PF_SLINES": 1}))
+                FOLD_WAIT=cfg.fold_order == "wait", N_FASTEST=cfg.n_fastest, W_ENC=False, A_PAD=_a_pad())
 
 
 def _a_pad() -> int:
@@ -261,9 +257,6 @@ def main():
                     help="the weights' byte order the bodies are compiled for (and routed_configs picks "
                          "for; default: 'mma64e', what the layer takes on CUDA)")
     ap.add_argument("--count", action="store_true", help="print static SASS counts per opcode")
-    ap.add_argument("--prefetch-down", action="store_true",
-                    help="compile the down configs with routed_experts.PREFETCH_DOWN on (the L2 prefetch "
-                         "of the tile before the PDL wait, GemmConfig.prefetch_l2)")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("sass_wgmma_hazard: unset TRITON_INTERPRET (the interpreter compiles nothing)")
@@ -273,7 +266,6 @@ def main():
         rows = session16_variants()
     else:
         from dsv4_moe.kernels import routed_experts as rx
-        rx.PREFETCH_DOWN = args.prefetch_down
         keyed = {}
         for fold_swap in (True, False):  # the default and DSV4_MOE_FOLD_SWAP=0
             rx.FOLD_SWAP = fold_swap
@@ -288,7 +280,7 @@ def main():
         result[label] = found
         print(f"{label:34s} {cfg.kind:4s} {cfg.block_m:3d}x{cfg.block_n} stages {cfg.num_stages} unroll {cfg.unroll} "
               f"cap {cfg.maxnreg} pairs {cfg.a_bf16!s:5s} fold {('-' if not cfg.fold_sa else cfg.fold_order if cfg.kind == 'swap' else 'on'):5s} "
-              f"{'nf ' if cfg.n_fastest else ''}{'prefetch ' if cfg.prefetch_l2 else ''}K={k:5d}: "
+              f"{'nf ' if cfg.n_fastest else ''}K={k:5d}: "
               f"{len(found):4d} hazards, {regs} registers, stack {stack}"
               + (f", {words[1]}/{words[0]} asm words as loaded" if words is not None else ""))
         if args.count:

@@ -1151,34 +1151,3 @@ def test_session23_config_switches(monkeypatch, name, value, check):
     finally:
         monkeypatch.undo()
         rx._routed_configs.cache_clear()
-
-
-
-def test_prefetch_l2_guard_and_switch(monkeypatch):
-    """GemmConfig.prefetch_l2 (session 31, untimed): kind "swap" only; routed_experts.PREFETCH_DOWN
-    (off by default) puts it on the 16-row "mma64" / "mma64e" down configs only, never on the
-    gate_up (whose block_expert comes from the launch just before it); the interpreter never
-    takes it (no inline PTX there), so the launch arguments are empty on the CPU."""
-    from dsv4_moe.kernels import mxfp4_grouped_gemm as mg
-    from dsv4_moe.kernels import routed_experts as rx
-
-    with pytest.raises(ValueError, match="prefetch_l2=True needs kind 'swap'"):
-        GemmConfig(16, 64, kind="tile", prefetch_l2=True)
-    r = RoutedExpertWeights(torch.empty(1, dtype=torch.uint8).expand(384, 768, 3584),
-                            torch.empty(1, dtype=torch.float8_e8m0fnu).expand(384, 768, 224),
-                            torch.empty(1, dtype=torch.uint8).expand(384, 7168, 192),
-                            torch.empty(1, dtype=torch.float8_e8m0fnu).expand(384, 7168, 12), 0, 384, "mma64e")
-    assert not any(c.prefetch_l2 for t in (1, 4, 4096) for c in rx.routed_configs(6 * t, r))
-    monkeypatch.setattr(rx, "PREFETCH_DOWN", True)
-    try:
-        up, down = rx.routed_configs(6, r)
-        assert down.prefetch_l2 and not up.prefetch_l2 and down.block_m == 16
-        up, down = rx.routed_configs(6 * 4096, r)
-        assert not down.prefetch_l2 and down.block_m > 16
-        nk = dataclasses.replace(r, layout="nk")
-        assert not any(c.prefetch_l2 for c in rx.routed_configs(6, nk))
-    finally:
-        monkeypatch.setattr(rx, "PREFETCH_DOWN", False)
-        rx._routed_configs.cache_clear()
-    assert mg._prefetch_args(GemmConfig(16, 64, kind="swap", prefetch_l2=True), True, 7168, 384, 3,
-                             torch.empty(0)) == {}

@@ -108,14 +108,3 @@ def test_front_limits_and_errors():
     with pytest.raises(ValueError, match="x: expected a"):
         route_front(x[:1].float(), w, None, None, None, 2, 1.0, num_local=16, first_expert=0, block_m=16,
                     _raw_logits=True)
-
-
-@pytest.mark.parametrize("t,pairs,hashed", [(3, True, False), (4, "scaled", True)])
-def test_front_bitwise_separate_row_loop(monkeypatch, t, pairs, hashed):
-    """With the logits GEMV's one-row token-loop form on (router.GEMV_ROW_LOOP_MAX_T, untimed),
-    route_front's logits tiles take it too: still bitwise the separate launches."""
-    from dsv4_moe.kernels import router as router_mod
-
-    monkeypatch.setattr(router_mod, "GEMV_ROW_LOOP_MAX_T", 4)
-    assert router_mod.gemv_row_loop(t, 256)
-    test_front_bitwise_separate(monkeypatch, t, 256, 64, 6, 64, 0, 16, pairs, hashed, True)

@@ -271,39 +271,13 @@ def test_after_logits_hook():
         route_topk(x, w, bias, None, None, 4, SCALE, logits_impl="gemv", after_logits=lambda *a: None)
 
 
-@pytest.mark.parametrize("t,e,h", [(3, 40, 200), (4, 384, 512), (5, 16, 96), (8, 9, 256)])
-def test_logits_gemv_row_loop(monkeypatch, t, e, h):
-    """router.GEMV_ROW_LOOP_MAX_T (off by default, untimed): one whole gate row per program and a
-    loop over the program's tokens. Within fp32 accumulation error of the float64 sum (a wrong
-    row, a dropped token or a missed tail column would be far outside it), exact sums bitwise,
-    and the form really taken (one gate row per program)."""
+@pytest.mark.parametrize("t,e,h", [(1, 40, 200), (2, 384, 512), (1, 16, 96), (2, 9, 4096), (1, 24, 7168)])
+def test_logits_gemv_prewait_same_bits(monkeypatch, t, e, h):
+    """router.GEMV_PREWAIT: the whole-row forms load their gate rows before the PDL wait - the
+    same values into the same arithmetic, so the same bits as without it; the rule takes it at
+    T = 1, at T = 2 up to GEMV_PREWAIT_MAX_H, never in the streamed forms."""
     from dsv4_moe.kernels import router as router_mod
 
-    monkeypatch.setattr(router_mod, "GEMV_ROW_LOOP_MAX_T", 8)
-    assert router_mod.gemv_row_loop(t, h) and gemv_blocks(t, h)[1] == 1 and gemv_blocks(t, h)[2] >= h
-    g = torch.Generator().manual_seed(t * 10 + h)
-    x = torch.randn(t, h, generator=g).bfloat16()
-    w = (torch.randn(e, h, generator=g) * 0.05).bfloat16()
-    got = router_logits_gemv(x, w)
-    exact = x.double() @ w.double().T
-    bound = 4 * h * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)
-    assert got.shape == (t, e) and ((got.double() - exact).abs() <= bound).all()
-    w1 = torch.zeros(e, h).bfloat16()
-    w1[torch.arange(e), torch.arange(e) * 5 % h] = -3.0
-    assert torch.equal(router_logits_gemv(x, w1), x.float() @ w1.float().T)
-    monkeypatch.setattr(router_mod, "GEMV_ROW_LOOP_MAX_T", 0)
-    assert not router_mod.gemv_row_loop(t, h) and not router_mod.gemv_row_loop(2, h)
-
-
-@pytest.mark.parametrize("t,e,h,row_loop", [(1, 40, 200, 0), (2, 384, 512, 0), (1, 16, 96, 0), (3, 40, 200, 8),
-                                            (5, 9, 256, 8)])
-def test_logits_gemv_prewait_same_bits(monkeypatch, t, e, h, row_loop):
-    """router.GEMV_PREWAIT (off by default, untimed): the whole-row forms load their gate rows
-    before the PDL wait - the same values into the same arithmetic, so the same bits as without
-    it, at T = 1-2 and in the token-loop form; the other forms never take it."""
-    from dsv4_moe.kernels import router as router_mod
-
-    monkeypatch.setattr(router_mod, "GEMV_ROW_LOOP_MAX_T", row_loop)
     g = torch.Generator().manual_seed(t * 7 + h)
     x = torch.randn(t, h, generator=g).bfloat16()
     w = (torch.randn(e, h, generator=g) * 0.05).bfloat16()
@@ -311,9 +285,10 @@ def test_logits_gemv_prewait_same_bits(monkeypatch, t, e, h, row_loop):
     want = router_logits_gemv(x, w)
     monkeypatch.setattr(router_mod, "GEMV_PREWAIT", True)
     bh = gemv_blocks(t, h)[2]
-    assert bh >= h and router_mod.gemv_prewait(bh, h)
+    assert bh >= h and router_mod.gemv_prewait(t, h, bh)
     got = router_logits_gemv(x, w)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     exact = x.double() @ w.double().T
     assert ((got.double() - exact).abs() <= 4 * h * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)).all()
-    assert not router_mod.gemv_prewait(1024, 4096)  # the streamed forms load inside their loop
+    assert not router_mod.gemv_prewait(2, 7168, 8192)            # Pro-shaped T = 2: slower, off
+    assert not router_mod.gemv_prewait(4, 4096, 1024)            # the streamed forms load in their loop

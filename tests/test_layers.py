@@ -122,11 +122,6 @@ def test_explain_routed_gemm_plan(monkeypatch):
     assert (up.kind, up.block_m) == ("swap", 64) and "down swap 64x128" in layer.explain(256), layer.explain(256)
     assert up.n_fastest and "weight blocks fastest in the grid" in layer.explain(256)
     assert "weight blocks fastest" not in layer.explain(16)  # 16-row blocks keep the m-blocks fastest
-    assert "prefetched into the L2" not in layer.explain(16)
-    monkeypatch.setattr(rx, "PREFETCH_DOWN", True)  # the untimed opt-in names itself
-    assert rx.routed_configs(16 * CFG.num_experts_per_tok, layer.routed)[1].prefetch_l2
-    assert "down swap" in layer.explain(16) and "prefetched into the L2 before the PDL wait" in layer.explain(16)
-    monkeypatch.setattr(rx, "PREFETCH_DOWN", False)
     # a gate_up split over K (hidden 256: two 128-blocks, so 2 partials): the SwiGLU-quant sums
     # them itself (SWIGLU_SUMS_SPLIT), or after the reduce launch when switched off / unfused
     from dsv4_moe.kernels.mxfp4_grouped_gemm import GemmConfig
@@ -163,11 +158,16 @@ def test_explain_router_sub_choices(monkeypatch):
     assert "sqrt(softplus) in the top-k kernel" in reason(1)
     from dsv4_moe.kernels import router as router_mod
 
-    assert "token-loop form" not in reason(3)
-    monkeypatch.setattr(router_mod, "GEMV_ROW_LOOP_MAX_T", 4)  # the untimed opt-in form names itself
+    def reason_h(t, h):
+        return dispatch.explain(DispatchContext(device=torch.device("cuda"), num_tokens=t, hidden=h), ["router"])
+
+    pre = "gate rows loaded before the PDL wait"
+    assert pre in reason_h(1, 7168) and pre in reason_h(2, 4096) and pre not in reason_h(2, 7168)
+    assert pre not in reason_h(3, 4096)
+    monkeypatch.setattr(router_mod, "GEMV_PREWAIT", False)  # the A/B switch takes it away
     dispatch.clear_plan_cache()
     try:
-        assert "token-loop form (router.GEMV_ROW_LOOP_MAX_T)" in reason(3) and "token-loop form" not in reason(2)
+        assert pre not in reason_h(1, 4096)
     finally:
         monkeypatch.undo()
         dispatch.clear_plan_cache()
