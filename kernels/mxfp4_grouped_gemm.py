@@ -58,6 +58,9 @@ A_PAD_ROWS = 2
 # NOTE (session 23, H200, layer bench, graphs, rotated weights, two alternating runs each,
 # docs/bench/2026-11-30/session23/, us, unsplit -> 2 ways): Flash T=1 71.6 / 72.2 -> 69.7 /
 # 70.0; T=2 (0.047 rows) 105.1 / 105.6 -> 106.9 / 106.5, so the split stops below T = 2.
+# NOTE (session 31, H200, docs/bench/2026-11-30/session31/): 4 ways at Flash T=1 was 54.8 -> 54.4
+# in the profile A/B (8 ways 57.3) but 55.9 -> 56.3 and 55.9 -> 56.1 us in the layer bench (graph
+# of forwards, two runs): stays 2. MID_K_SPLIT 3 (the gate_up): 54.4 -> 57.3 in the profile A/B.
 SHORT_K_DECODE_SPLIT = 2
 SHORT_K_DECODE_SPLIT_MAX_ROWS = 0.03
 # ... of the long-K ones: K >= 6144 (the Pro-shaped gate_up) splits LONG_K_SPLIT ways below
