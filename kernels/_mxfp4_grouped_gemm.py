@@ -310,6 +310,7 @@ def _mxfp4_grouped_gemm_swap_kernel(
     two launches earlier) - level at Pro-TP8 T=1 (32.6 / 32.5 us), slower everywhere else (Pro-TP8
     T=4 63.9 / 64.8, T=8 92.2 / 93.2; Flash T=1 54.7 / 55.5, T=2 76.2 / 80.6, T=8 204.8 / 219.5;
     bitwise), as session 29's prefetch of the down's weights from the gate_up was."""
+    pdl_enter(PDL)
     if N_FASTEST:
         pid_m = tl.program_id(1)
         pid_n = tl.program_id(0)
@@ -317,7 +318,6 @@ def _mxfp4_grouped_gemm_swap_kernel(
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    pdl_enter(PDL)
     if pid_m >= tl.load(num_blocks_ptr):
         return
     _swap_item(pid_m, pid_n, pid_k,

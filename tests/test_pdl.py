@@ -41,6 +41,14 @@ def test_every_kernel_waits_first():
         assert ast.unparse(default) == "0", f"{fname}:{node.name}: PDL must default to 0 (plain launch)"
         body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
         first = ast.unparse(body[0])
+        if isinstance(body[0], ast.If) and ast.unparse(body[0].test) == "PREWAIT":
+            # the one exception (router.GEMV_PREWAIT): static gate rows - weights no kernel of the
+            # forward writes - loaded before the wait; nothing else, and the wait right after
+            pre, other = body[0].body, body[0].orelse
+            assert ast.unparse(pre[0]).startswith("w_pre = _gate_rows("), f"{fname}:{node.name}: {ast.unparse(pre[0])!r}"
+            assert ast.unparse(pre[1]) == "pdl_enter(PDL)" and ast.unparse(other[0]) == "pdl_enter(PDL)", \
+                f"{fname}:{node.name}: the PREWAIT branches must wait right after the gate rows' load"
+            continue
         assert first == "pdl_enter(PDL)", f"{fname}:{node.name}: first statement is {first!r}, not pdl_enter(PDL)"
 
 
