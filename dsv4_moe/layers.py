@@ -129,8 +129,9 @@ SIDE_STREAM_PRIORITY = 0
 # (the policy), "logits" (between the router's logits launch, which quantises x, and its top-k
 # launch, on the front's quant_in_logits path; after the front on the others), "front" (right
 # after the front) or "align" (after the routed alignment's launch, triton routed path, so the
-# shared GEMM's CTAs do not fill the SMs while that one program runs). A/B switch (it was
-# FORK_AFTER_ALIGN "on" / "off" until session 30).
+# shared GEMM's CTAs do not fill the SMs while that one program runs) or "gate_up" (after the
+# routed gate_up GEMM's launch, triton routed path; elsewhere after the front; session 31,
+# untimed). A/B switch (it was FORK_AFTER_ALIGN "on" / "off" until session 30).
 SHARED_FORK = "auto"
 
 
@@ -294,17 +295,19 @@ class DeepseekV4MoE(_NativeBuffers):
             after_logits=fork if point == "logits" else None)
         if point == "align" and align is None and routed.name == "triton":
             align = stages.routed_align(topk_w, topk_ids, self.routed)
+        late = side is not None and point == "gate_up" and routed.name == "triton"
         if side is None:
             shared = self.shared_experts.forward_quantised(q, sa, ctx)
-        else:  # fork: the shared expert on the side stream once q, sa exist (unless the front did)
-            main = torch.cuda.current_stream(x.device)
-            if not forked:
+        elif not forked and not late:  # fork: the shared expert on the side stream once q, sa exist
+            fork(q, sa)
+        swiglu = dispatch.select("swiglu_quant", ctx).name
+        y = routed.impl(q, sa, topk_w, topk_ids, self.routed, c.swiglu_limit, swiglu, q_pairs=q_pairs, align=align,
+                        **({"after_gate_up": lambda: fork(q, sa)} if late else {}))
+        if side is not None:  # join before the first reader of `shared`
+            if not forked:  # "gate_up" with no routes to run: fork now
                 fork(q, sa)
             shared = forked[0]
-        swiglu = dispatch.select("swiglu_quant", ctx).name
-        y = routed.impl(q, sa, topk_w, topk_ids, self.routed, c.swiglu_limit, swiglu,
-                        q_pairs=q_pairs, align=align)
-        if side is not None:  # join before the first reader of `shared`
+            main = torch.cuda.current_stream(x.device)
             main.wait_stream(side)
             shared.record_stream(main)  # allocated on the side stream, freed after main reads it
         fin = dispatch.select("finalize", ctx)
@@ -356,11 +359,13 @@ class DeepseekV4MoE(_NativeBuffers):
                if SHARED_FORK == "auto" else f"layers.SHARED_FORK = {SHARED_FORK!r}")
         split = dispatch.shared_split_policy(num_tokens, self.config.local_intermediate(self.tp_size))[1]
         where = {"logits": "after the router's logits launch (on the quant_in_logits front; else after the front)",
-                 "align": "after the routed alignment", "front": "right after the front"}[point]
+                 "align": "after the routed alignment", "front": "right after the front",
+                 "gate_up": "after the routed gate_up GEMM's launch (triton routed path; else after the front; "
+                            "untimed opt-in)"}[point]
         return f"{why}; forked {where} ({how}); {split}"
 
     def _shared_fork(self, num_tokens: int) -> str:
-        """Where the shared expert forks at num_tokens tokens: "logits", "front" or "align"."""
+        """Where the shared expert forks at num_tokens tokens: "logits", "front", "align" or "gate_up"."""
         if SHARED_FORK == "auto":
             return dispatch.shared_fork_policy(num_tokens, self.config.local_intermediate(self.tp_size))[0]
         if SHARED_FORK not in dispatch.SHARED_FORK_POINTS:

@@ -329,12 +329,13 @@ def routed_experts_triton_supported(ctx: DispatchContext):
     return _importable("routed_experts")
 
 
-def routed_experts_triton(q, sa, topk_w, topk_ids, routed, limit, swiglu="fused", q_pairs=None, align=None):
+def routed_experts_triton(q, sa, topk_w, topk_ids, routed, limit, swiglu="fused", q_pairs=None, align=None,
+                          after_gate_up=None):
     # the reference SwiGLU-quant is not a kernel: with swiglu_quant forced to "reference"
     # the routed GEMMs still use the fused kernel, which is bitwise the reference.
     return _kernel("routed_experts").routed_experts_forward(
         q, sa, topk_w, topk_ids, routed, limit, "unfused" if swiglu == "unfused" else "fused", q_pairs=q_pairs,
-        align=align)
+        align=align, after_gate_up=after_gate_up)
 
 
 def routed_wants_pairs(num_routes, routed):

@@ -500,7 +500,7 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
                            topk_ids: torch.Tensor, routed: RoutedExpertWeights, limit: float,
                            swiglu: str = "fused", *, configs: tuple[GemmConfig, GemmConfig] | None = None,
                            return_alignment: bool = False, q_pairs: torch.Tensor | None = None,
-                           align: MoeAlignment | None = None):
+                           align: MoeAlignment | None = None, after_gate_up=None):
     """y [T, k, H] bf16 for every local route (see the module docstring).
 
     `swiglu` picks the SwiGLU-quant between the GEMMs: "fused" (one kernel) or "unfused"
@@ -512,6 +512,9 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
     `align`: `moe_align(topk_ids, routed.num_local, routed.first_expert, BLOCK_M, topk_weights)`
     made by the caller (route_front computes it in the router's launch); its BLOCK_M must be
     the gate_up config's.
+    `after_gate_up`: called with no arguments once the gate_up GEMM is enqueued, before the
+    SwiGLU-quant (the layer forks its shared expert there when layers.SHARED_FORK = "gate_up"); not
+    called when there are no routes.
     """
     if swiglu not in ("fused", "unfused"):
         raise ValueError(f"swiglu={swiglu!r}: expected 'fused' or 'unfused'")
@@ -553,6 +556,8 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
                             a_pairs=q_pairs if cfg_up.a_bf16 else None,
                             a_pairs_scaled=cfg_up.fold_sa and cfg_up.a_bf16 and q_pairs is not None,
                             reduce=not partials)
+    if after_gate_up is not None:
+        after_gate_up()
     # NOTE (session 13): from SWIGLU_ROUTE_LIST_MIN_ROUTES routes the SwiGLU-quant works on the
     # route list (align.route_rows: the GEMM row of each local route), not on the
     # alignment's max_rows rows - at decode most of those are block padding (Flash T = 16:
