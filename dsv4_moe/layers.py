@@ -301,8 +301,13 @@ class DeepseekV4MoE(_NativeBuffers):
         elif not forked and not late:  # fork: the shared expert on the side stream once q, sa exist
             fork(q, sa)
         swiglu = dispatch.select("swiglu_quant", ctx).name
+        fin = dispatch.select("finalize", ctx)
+        down_parts = self._finalize_sums_down(t, routed.name, fin.name)
+        extra = {"after_gate_up": lambda: fork(q, sa)} if late else {}
+        if down_parts:
+            extra["down_reduce"] = False
         y = routed.impl(q, sa, topk_w, topk_ids, self.routed, c.swiglu_limit, swiglu, q_pairs=q_pairs, align=align,
-                        **({"after_gate_up": lambda: fork(q, sa)} if late else {}))
+                        **extra)
         if side is not None:  # join before the first reader of `shared`
             if not forked:  # "gate_up" with no routes to run: fork now
                 fork(q, sa)
@@ -310,7 +315,8 @@ class DeepseekV4MoE(_NativeBuffers):
             main = torch.cuda.current_stream(x.device)
             main.wait_stream(side)
             shared.record_stream(main)  # allocated on the side stream, freed after main reads it
-        fin = dispatch.select("finalize", ctx)
+        if down_parts:
+            return stages.finalize_fused_split(y, topk_ids, shared, self.first_expert, self.num_local_experts)
         if self.tp_size == 1 and self.ep_size == 1:
             return fin.impl(y, topk_ids, shared, self.first_expert, self.num_local_experts)
         # Distributed: the fp32 partial crosses ranks before the single bf16 rounding (SPEC §4.5, §6).
@@ -402,6 +408,13 @@ class DeepseekV4MoE(_NativeBuffers):
             head += f"\nprogrammatic dependent launch: {mode} ({why})"
         return head + "\n" + dispatch.explain(self.context(num_tokens)) + self._gemm_plan(num_tokens)
 
+    def _finalize_sums_down(self, num_tokens: int, routed: str, finalize: str) -> bool:
+        """Whether the fused finalize sums the routed down GEMM's split-K partials itself (no
+        reduce launch, same bits): triton routed path, fused finalize, no TP / EP reduce (the
+        partial crosses ranks first), and a down that splits K at this T."""
+        return (routed == "triton" and finalize == "fused" and self.tp_size == 1 and self.ep_size == 1
+                and stages.routed_down_to_finalize(num_tokens * self.config.num_experts_per_tok, self.routed))
+
     def _heterogeneous_reason(self, num_tokens: int) -> str:
         """Why the fused heterogeneous MoE (kernels/aiter_fhmoe.py) does not run this layer."""
         from .kernels.aiter_fhmoe import fhmoe_supported
@@ -449,8 +462,18 @@ class DeepseekV4MoE(_NativeBuffers):
                        f"{rx.SWIGLU_ROUTE_LIST_MIN_ROUTES} routes)")
             if parts_up > 1:
                 between += f", after the split gate_up's reduce launch ({parts_up} fp32 partials)"
+        parts_down = split_parts(cfgs[1], self.config.local_intermediate(self.tp_size))
+        after = ""
+        if parts_down > 1:
+            fin = dispatch.select("finalize", self.context(num_tokens)).name
+            after = (f"\n  after the down: the fused finalize sums its {parts_down} fp32 split-K partials itself "
+                     f"(no reduce launch, same bits)" if self._finalize_sums_down(num_tokens, "triton", fin) else
+                     f"\n  after the down: a reduce launch sums its {parts_down} fp32 split-K partials ("
+                     + ("routed_experts.FINALIZE_SUMS_SPLIT is off" if not rx.FINALIZE_SUMS_SPLIT else
+                        f"finalize path {fin!r}" if fin != "fused" else
+                        "the fp32 partial crosses ranks before the finalize's rounding") + ")")
         return (f"\n  routed GEMMs ({routes / self.num_local_experts:.3g} routes per local expert): "
-                + "; ".join(parts) + f"\n  between them: {between}")
+                + "; ".join(parts) + f"\n  between them: {between}" + after)
 
 
 def choose_routed_layout(r: RoutedExpertWeights, requested: str = "auto") -> tuple[str, str]:

@@ -330,12 +330,18 @@ def routed_experts_triton_supported(ctx: DispatchContext):
 
 
 def routed_experts_triton(q, sa, topk_w, topk_ids, routed, limit, swiglu="fused", q_pairs=None, align=None,
-                          after_gate_up=None):
+                          after_gate_up=None, down_reduce=True):
     # the reference SwiGLU-quant is not a kernel: with swiglu_quant forced to "reference"
     # the routed GEMMs still use the fused kernel, which is bitwise the reference.
     return _kernel("routed_experts").routed_experts_forward(
         q, sa, topk_w, topk_ids, routed, limit, "unfused" if swiglu == "unfused" else "fused", q_pairs=q_pairs,
-        align=align, after_gate_up=after_gate_up)
+        align=align, after_gate_up=after_gate_up, down_reduce=down_reduce)
+
+
+def routed_down_to_finalize(num_routes, routed):
+    """Whether the triton routed path should hand its down GEMM's split-K partials to the fused
+    finalize (`finalize_fused_split`) at this size, instead of reducing them in a launch."""
+    return _kernel("routed_experts").finalize_sums_split(num_routes, routed)
 
 
 def routed_wants_pairs(num_routes, routed):
@@ -355,6 +361,10 @@ def finalize_unfused_supported(ctx: DispatchContext):
 
 def finalize_fused(y, topk_ids, shared_out, first_expert, num_local):
     return _kernel("finalize").finalize_shared_add(y, topk_ids, first_expert, num_local, shared_out)
+
+
+def finalize_fused_split(parts, topk_ids, shared_out, first_expert, num_local):
+    return _kernel("finalize").finalize_split_shared_add(parts, topk_ids, first_expert, num_local, shared_out)
 
 
 def finalize_unfused(y, topk_ids, shared_out, first_expert, num_local):

@@ -10,6 +10,11 @@ num_warps) contiguous bf16 per thread (8 at BLOCK_H = 1024, 4 warps: 16-byte loa
     partial:  acc_out = acc                                  (fp32, for the EP all-reduce)
     add_shared_round: out = bf16(acc + float(shared))
 
+With PARTS > 0 (`finalize_split_shared_add`) y is the down GEMM's unreduced split-K fp32
+partials [PARTS, T, k, H], and each local slot's row is first made as the split-K reduce
+launch makes it: v = bf16(+0.0 + y[0] + ... + y[PARTS-1]), then acc = acc + float(v) - the
+same adds and roundings as reduce-then-finalize, one launch fewer.
+
 A non-local slot is skipped with a select, not added as 0 (-0.0 + 0.0 would turn a
 -0.0 sum into +0.0) and never loaded (its y row is unspecified, maybe NaN). The fused
 and split paths execute the same fp32 adds in the same order with one rounding, so they
@@ -25,13 +30,24 @@ from ._triton_utils import pdl_enter, round_to_bf16
 
 @triton.jit
 def _routed_sum(y_ptr, ids_ptr, t, cols, col_ok, first_expert, num_local,
-                stride_yt, stride_ys, stride_it, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+                stride_yt, stride_ys, stride_it, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                stride_yp=0, PARTS: tl.constexpr = 0, SOFTWARE_BF16: tl.constexpr = False):
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for s in tl.static_range(TOP_K):
         e = tl.load(ids_ptr + t * stride_it + s).to(tl.int32) - first_expert
         local = (e >= 0) & (e < num_local)
-        v = tl.load(y_ptr + t * stride_yt + s * stride_ys + cols, mask=col_ok & local, other=0.0)
-        acc = tl.where(local, acc + v.to(tl.float32), acc)
+        if PARTS == 0:
+            v = tl.load(y_ptr + t * stride_yt + s * stride_ys + cols, mask=col_ok & local, other=0.0).to(tl.float32)
+        else:  # the split-K reduce's row: bf16 of the in-order fp32 sum of the partials
+            v = tl.zeros([BLOCK_H], dtype=tl.float32)
+            off = t * stride_yt + s * stride_ys  # int64 (t is): no overflow over the parts
+            for p in tl.static_range(PARTS):
+                v += tl.load(y_ptr + off + cols, mask=col_ok & local, other=0.0)
+                off += stride_yp
+            if SOFTWARE_BF16:
+                v = round_to_bf16(v, True)
+            v = v.to(tl.bfloat16).to(tl.float32)
+        acc = tl.where(local, acc + v, acc)
     return acc
 
 
@@ -40,13 +56,13 @@ def _finalize_kernel(y_ptr, ids_ptr, shared_ptr, out_ptr, H, first_expert, num_l
                      stride_yt, stride_ys, stride_it, stride_st, stride_ot,
                      TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
                      HAS_SHARED: tl.constexpr, PARTIAL: tl.constexpr, SOFTWARE_BF16: tl.constexpr,
-                     PDL: tl.constexpr = 0):
+                     PDL: tl.constexpr = 0, stride_yp=0, PARTS: tl.constexpr = 0):
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
     acc = _routed_sum(y_ptr, ids_ptr, t, cols, col_ok, first_expert, num_local,
-                      stride_yt, stride_ys, stride_it, TOP_K, BLOCK_H)
+                      stride_yt, stride_ys, stride_it, TOP_K, BLOCK_H, stride_yp, PARTS, SOFTWARE_BF16)
     if PARTIAL:
         tl.store(out_ptr + t * stride_ot + cols, acc, mask=col_ok)
     else:

@@ -10,6 +10,12 @@ output combined with one bf16 rounding, without writing the routed [T, H] sum.
     finalize_partial     [T, H] f32    +0.0 + sum_local_slots y (the EP partial)
     add_shared_round     [T, H] bf16   bf16(acc + shared)
     finalize_unfused     = add_shared_round(finalize_partial(...))
+    finalize_split_shared_add(parts [P, T, k, H] f32, ...) -> [T, H] bf16
+                         the fused kernel on the routed down GEMM's unreduced split-K
+                         partials (`routed_experts_forward(down_reduce=False)`): each local
+                         slot's row is bf16(+0.0 + parts[0] + ... + parts[P-1]), as the
+                         GEMM's reduce launch writes it into y; bitwise that launch followed
+                         by `finalize_shared_add`, one launch fewer
 
 Expert parallelism (SPEC §6): finalize_partial -> all_reduce(acc, fp32) ->
 add_shared_round; without EP the fused kernel is used. Fused == unfused bitwise.
@@ -26,7 +32,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["finalize_shared_add", "finalize_partial", "add_shared_round", "finalize_unfused"]
+__all__ = ["finalize_shared_add", "finalize_split_shared_add", "finalize_partial", "add_shared_round",
+           "finalize_unfused"]
 
 _SMALL_T = 64
 
@@ -46,17 +53,21 @@ def _check_y_ids(y, topk_ids, first_expert, num_local) -> tuple[int, int, int]:
     t, k, h = y.shape
     if h and y.stride(2) != 1:
         raise ValueError(f"y: strides {tuple(y.stride())}, expected unit stride along H")
+    _check_ids(topk_ids, t, k, y.device, first_expert, num_local)
+    return t, k, h
+
+
+def _check_ids(topk_ids, t, k, device, first_expert, num_local) -> None:
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.shape != (t, k) \
             or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids: expected [{t}, {k}] int32/int64, got "
                          f"{getattr(topk_ids, 'dtype', type(topk_ids))} shape {tuple(getattr(topk_ids, 'shape', ()))}")
-    if topk_ids.device != y.device:
-        raise ValueError(f"topk_ids: on {topk_ids.device}, expected y's device {y.device}")
+    if topk_ids.device != device:
+        raise ValueError(f"topk_ids: on {topk_ids.device}, expected y's device {device}")
     if not isinstance(first_expert, int) or first_expert < 0:
         raise ValueError(f"first_expert={first_expert!r}: expected an int >= 0")
     if not isinstance(num_local, int) or num_local < 1:
         raise ValueError(f"num_local={num_local!r}: expected an int >= 1")
-    return t, k, h
 
 
 def _check_shared(shared_out, t, h, device) -> None:
@@ -74,15 +85,17 @@ def _check_shared(shared_out, t, h, device) -> None:
 def _launch_finalize(y, topk_ids, first_expert, num_local, shared_out, out, partial: bool):
     from ._finalize import _finalize_kernel
     from ._triton_utils import interpreting, pdl_options
-    t, k, h = y.shape
+    parts = y.shape[0] if y.dim() == 4 else 0  # [P, T, k, H] split-K partials, else [T, k, H]
+    t, k, h = y.shape[-3:]
     bh, warps = _block_h(t, h)
     ids = topk_ids.contiguous()
     sh = shared_out if shared_out is not None else out
     _finalize_kernel[(t, -(-h // bh))](
         y, ids, sh, out, h, first_expert, num_local,
-        y.stride(0), y.stride(1), ids.stride(0), sh.stride(0), out.stride(0),
+        y.stride(-3), y.stride(-2), ids.stride(0), sh.stride(0), out.stride(0),
         TOP_K=k, BLOCK_H=bh, HAS_SHARED=shared_out is not None, PARTIAL=partial,
-        SOFTWARE_BF16=interpreting(), num_warps=warps, **pdl_options(out.device))
+        SOFTWARE_BF16=interpreting(), num_warps=warps, **pdl_options(out.device),
+        stride_yp=y.stride(0) if parts else 0, PARTS=parts)
     return out
 
 
@@ -95,6 +108,27 @@ def finalize_shared_add(y: torch.Tensor, topk_ids: torch.Tensor, first_expert: i
     if t == 0 or h == 0:
         return out
     return _launch_finalize(y, topk_ids, first_expert, num_local, shared_out, out, partial=False)
+
+
+def finalize_split_shared_add(parts: torch.Tensor, topk_ids: torch.Tensor, first_expert: int, num_local: int,
+                              shared_out: torch.Tensor | None = None) -> torch.Tensor:
+    """`finalize_shared_add` on the down GEMM's unreduced split-K partials: parts [P, T, k, H]
+    float32 (`routed_experts_forward(..., down_reduce=False)`; rows of non-local routes are
+    never read). Each local slot's row is bf16(+0.0 + parts[0] + ... + parts[P-1]) (the
+    reduce launch's row), then summed as `finalize_shared_add` sums y -> [T, H] bf16."""
+    if not isinstance(parts, torch.Tensor) or parts.dim() != 4 or parts.dtype != torch.float32 \
+            or parts.shape[0] < 1:
+        raise ValueError(f"parts: expected a [P, T, k, H] float32 tensor with P >= 1, got "
+                         f"{getattr(parts, 'dtype', type(parts))} shape {tuple(getattr(parts, 'shape', ()))}")
+    _, t, k, h = parts.shape
+    if h and parts.stride(3) != 1:
+        raise ValueError(f"parts: strides {tuple(parts.stride())}, expected unit stride along H")
+    _check_ids(topk_ids, t, k, parts.device, first_expert, num_local)
+    _check_shared(shared_out, t, h, parts.device)
+    out = torch.empty((t, h), dtype=torch.bfloat16, device=parts.device)
+    if t == 0 or h == 0:
+        return out
+    return _launch_finalize(parts, topk_ids, first_expert, num_local, shared_out, out, partial=False)
 
 
 def finalize_partial(y: torch.Tensor, topk_ids: torch.Tensor, first_expert: int, num_local: int) -> torch.Tensor:

@@ -43,7 +43,7 @@ from dsv4_moe.weights.tensors import RoutedExpertWeights
 from .moe_align import MoeAlignment, moe_align
 from .mxfp4_grouped_gemm import GemmConfig, gemv_config, mxfp4_grouped_gemm, select_config, split_parts
 
-__all__ = ["routed_experts_forward", "routed_configs", "pairs_mode"]
+__all__ = ["routed_experts_forward", "routed_configs", "pairs_mode", "down_split_parts", "finalize_sums_split"]
 
 # The SwiGLU-quant between the GEMMs computes the rows of the route list (session 13) from
 # this many routes on; below it (and with a huge value, always) the row-range strategies
@@ -66,6 +66,14 @@ SWIGLU_ROUTE_LIST_MIN_ROUTES = 12
 # 3 captures, us, on / off; docs/bench/2026-11-30/session26/): Pro-TP8 T=1 34.0 / 35.0, T=8
 # 101.1 / 102.6, T=12 135.1 / 136.6. A/B switch.
 SWIGLU_SUMS_SPLIT = True
+
+# A split-K down GEMM (decode: Flash-shaped T = 1) can likewise hand its fp32 partials to the
+# fused finalize + shared add, which makes each route's row as the reduce launch does (bf16 of
+# the in-order sum) before adding it (`finalize.finalize_split_shared_add`): one launch fewer on
+# the critical path, the same bits (the layer's unfused finalize keeps the reduce launch). Used by
+# DeepseekV4MoE when the fused finalize runs without TP/EP (`finalize_sums_split`). Session 32,
+# built on the CPU; A/B switch (gpu_profile_layer.py --ab ...FINALIZE_SUMS_SPLIT=,1).
+FINALIZE_SUMS_SPLIT = True
 
 # The routed GEMMs can take their activation scale folded into the bf16 operand
 # (GemmConfig.fold_sa; act_quant / swiglu_quant write "scaled pairs"): by default all of them
@@ -269,6 +277,18 @@ def routed_configs(num_routes: int, routed: RoutedExpertWeights) -> tuple[GemmCo
     """(gate_up config, down config); both share BLOCK_M because they share one alignment."""
     return _routed_configs(num_routes, routed.num_local, routed.intermediate, routed.hidden, routed.layout,
                            FOLD_ACT_SCALE, FOLD_SWAP, N_FASTEST)
+
+
+def down_split_parts(num_routes: int, routed: RoutedExpertWeights) -> int:
+    """How many fp32 partials per output the routed down GEMM writes at this size (1: it does
+    not split K, so there is nothing for a consumer to sum)."""
+    return split_parts(routed_configs(num_routes, routed)[1], routed.intermediate)
+
+
+def finalize_sums_split(num_routes: int, routed: RoutedExpertWeights) -> bool:
+    """Whether the layer's fused finalize should sum the down GEMM's split-K partials itself
+    at this size (FINALIZE_SUMS_SPLIT and a down that splits)."""
+    return FINALIZE_SUMS_SPLIT and down_split_parts(num_routes, routed) > 1
 
 
 @functools.lru_cache(maxsize=4096)
@@ -500,7 +520,7 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
                            topk_ids: torch.Tensor, routed: RoutedExpertWeights, limit: float,
                            swiglu: str = "fused", *, configs: tuple[GemmConfig, GemmConfig] | None = None,
                            return_alignment: bool = False, q_pairs: torch.Tensor | None = None,
-                           align: MoeAlignment | None = None, after_gate_up=None):
+                           align: MoeAlignment | None = None, after_gate_up=None, down_reduce: bool = True):
     """y [T, k, H] bf16 for every local route (see the module docstring).
 
     `swiglu` picks the SwiGLU-quant between the GEMMs: "fused" (one kernel) or "unfused"
@@ -515,6 +535,10 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
     `after_gate_up`: called with no arguments once the gate_up GEMM is enqueued, before the
     SwiGLU-quant (the layer forks its shared expert there when layers.SHARED_FORK = "gate_up"); not
     called when there are no routes.
+    `down_reduce=False` (only when the down config splits K, `down_split_parts(T * k, routed) > 1`):
+    return the down's fp32 partials [P, T, k, H] instead of y (each local route's y row is
+    bf16(+0.0 + parts[0] + ... + parts[P-1]); rows of other routes unspecified), for
+    `finalize.finalize_split_shared_add`.
     """
     if swiglu not in ("fused", "unfused"):
         raise ValueError(f"swiglu={swiglu!r}: expected 'fused' or 'unfused'")
@@ -536,6 +560,10 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
         raise ValueError(f"limit={limit!r}: expected > 0")
     y = torch.empty((t * k, h), dtype=torch.bfloat16, device=q.device)
     cfg_up, cfg_down = configs or routed_configs(t * k, routed)
+    down_parts = split_parts(cfg_down, i)
+    if not down_reduce and down_parts == 1:
+        raise ValueError(f"down_reduce=False: the down config {cfg_down!r} does not split K={i}, so there are no "
+                         f"partials to hand over")
     if align is None:
         align = moe_align(topk_ids, routed.num_local, routed.first_expert, cfg_up.block_m, topk_weights)
     elif not isinstance(align, MoeAlignment) or align.block_m != cfg_up.block_m or align.num_routes != t * k \
@@ -545,7 +573,8 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
                          f"{getattr(align, 'block_m', None)}, num_routes={getattr(align, 'num_routes', None)} "
                          f"({type(align).__name__})")
     if t * k == 0:
-        return (y.view(t, k, h), align) if return_alignment else y.view(t, k, h)
+        out = y.view(t, k, h) if down_reduce else y.new_empty((down_parts, t, k, h), dtype=torch.float32)
+        return (out, align) if return_alignment else out
     from ._triton_utils import interpreting
     from .swiglu_quant import swiglu_quant, swiglu_quant_partials, swiglu_quant_unfused  # SPEC §5.1
 
@@ -579,7 +608,9 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
     else:
         hq, hs, *hp = swiglu_quant_unfused(gu, limit=float(limit), route_weight=align.row_weight,
                                            pairs=pairs_mode(cfg_down), **sel)
-    mxfp4_grouped_gemm(hq, hs, routed.down, routed.down_scale, align,
-                       gather_a=False, scatter_out=True, out=y, config=cfg_down, layout=routed.layout,
-                       a_pairs=hp[0] if hp else None, a_pairs_scaled=bool(hp) and cfg_down.fold_sa)
-    return (y.view(t, k, h), align) if return_alignment else y.view(t, k, h)
+    out = mxfp4_grouped_gemm(hq, hs, routed.down, routed.down_scale, align,
+                             gather_a=False, scatter_out=True, out=y, config=cfg_down, layout=routed.layout,
+                             a_pairs=hp[0] if hp else None, a_pairs_scaled=bool(hp) and cfg_down.fold_sa,
+                             reduce=down_reduce)
+    out = out.view(t, k, h) if down_reduce else out.view(down_parts, t, k, h)
+    return (out, align) if return_alignment else out

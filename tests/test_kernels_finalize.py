@@ -9,7 +9,7 @@ import torch  # noqa: E402
 
 from dsv4_moe import reference as ref  # noqa: E402
 from dsv4_moe.kernels.finalize import (add_shared_round, finalize_partial, finalize_shared_add,  # noqa: E402
-                                       finalize_unfused)
+                                       finalize_split_shared_add, finalize_unfused)
 
 
 def _case(t, k, h, e, seed):
@@ -70,3 +70,46 @@ def test_zero_tokens_and_guards():
         finalize_partial(y, ids, 0, 0)
     with pytest.raises(ValueError, match="acc"):
         add_shared_round(shared, None)
+
+
+@pytest.mark.parametrize("p,t,h", [(2, 1, 4096 // 8), (3, 4, 2880 // 9), (2, 70, 200)])
+def test_split_partials_equal_reduce_then_finalize(p, t, h):
+    """finalize_split_shared_add (FINALIZE_SUMS_SPLIT): each local slot's row is the split-K
+    reduce launch's bf16(+0.0 + parts[0] + ... + parts[P-1]) before the finalize's fp32 sum,
+    so the result is bitwise the reduce + finalize_shared_add pair; non-local partial rows
+    (NaN here) are never read. Negative control: summing the partials without that per-route
+    bf16 rounding gives other bits, so the check can see a missing rounding."""
+    k, e, first, nl = 6, 16, 4, 8
+    g = torch.Generator().manual_seed(p * 100 + t)
+    parts = torch.randn(p, t, k, h, generator=g) * torch.rand(p, 1, 1, h, generator=g).exp2()
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).sort(1).values
+    shared = torch.randn(t, h, generator=g).bfloat16()
+    local = ref.local_mask(ids, first, nl)
+    assert 0 < int(local.sum()) < t * k
+    parts[:, ~local] = float("nan")
+    reduced = torch.zeros(t, k, h)
+    for i in range(p):                          # the reduce launch: in order from +0.0, one rounding
+        reduced = reduced + parts[i]
+    y = reduced.bfloat16()
+    for sh in (shared, None):
+        got = finalize_split_shared_add(parts, ids, first, nl, sh)
+        _bits_equal(got, finalize_shared_add(y, ids, first, nl, sh), f"split partials vs reduce + finalize, P={p}")
+    unrounded = (torch.where(local[..., None], torch.nan_to_num(reduced), 0.0).sum(1)
+                 + shared.float()).bfloat16()
+    assert not torch.equal(unrounded, finalize_split_shared_add(parts, ids, first, nl, shared))
+
+
+def test_split_partials_guards():
+    parts = torch.zeros(2, 3, 4, 64)
+    ids = torch.zeros(3, 4, dtype=torch.long)
+    assert finalize_split_shared_add(torch.zeros(2, 0, 4, 64), ids[:0], 0, 8).shape == (0, 64)
+    with pytest.raises(ValueError, match=r"parts: expected a \[P, T, k, H\] float32"):
+        finalize_split_shared_add(parts.bfloat16(), ids, 0, 8)
+    with pytest.raises(ValueError, match="parts"):
+        finalize_split_shared_add(parts[0], ids, 0, 8)
+    with pytest.raises(ValueError, match="unit stride"):
+        finalize_split_shared_add(parts.transpose(2, 3).contiguous().transpose(2, 3), ids, 0, 8)
+    with pytest.raises(ValueError, match="topk_ids"):
+        finalize_split_shared_add(parts, ids[:, :2], 0, 8)
+    with pytest.raises(ValueError, match="shared_out"):
+        finalize_split_shared_add(parts, ids, 0, 8, torch.zeros(3, 64))

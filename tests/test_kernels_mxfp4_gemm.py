@@ -182,6 +182,47 @@ def test_split_gate_up_partials_summed_in_swiglu_bitwise(monkeypatch, fold):
         assert torch.equal(ys["partials"][local].view(torch.int16), ys[name][local].view(torch.int16)), name
 
 
+@pytest.mark.parametrize("fold", [False, True], ids=["per-block-partials", "folded-per-split"])
+def test_split_down_partials_summed_in_finalize_bitwise(fold):
+    """routed_experts_forward(down_reduce=False) (FINALIZE_SUMS_SPLIT): a split-K down hands its
+    fp32 partials [P, T, k, H] to finalize_split_shared_add, which gives bit for bit the reduce
+    launch + finalize_shared_add result, with a route to another rank's expert; the partials'
+    in-order sum rounds to exactly the y the reduce launch writes. An unsplit down refuses."""
+    from dsv4_moe.kernels.act_quant import act_quant
+    from dsv4_moe.kernels.finalize import finalize_shared_add, finalize_split_shared_add
+    from dsv4_moe.kernels.mxfp4_grouped_gemm import split_parts
+
+    g = torch.Generator().manual_seed(23)
+    e, h, i, k, t = 6, 256, 512, 3, 2
+    gu, gus = _weights(e, 2 * i, h, g)
+    dn, dns = _weights(e, h, i, g)
+    routed = RoutedExpertWeights(gu, gus, dn, dns, first_expert=1, num_experts=8)   # owns 1..6
+    x = torch.randn(t, h, generator=g).bfloat16() * 4
+    up = GemmConfig(16, 64, 4, 2, kind="swap")
+    down = GemmConfig(16, 64, 4, 2, kind="swap", split_k=2, fold_sa=fold, a_bf16=fold)
+    assert split_parts(down, i) == (2 if fold else 4)
+    q, sa = act_quant(x)
+    ids = _ids(t, k, 8, g)
+    ids[1, 0] = 0                                                        # not on this rank
+    ids = ids.sort(1).values
+    tw = torch.rand(t, k, generator=g)
+    shared = torch.randn(t, h, generator=g).bfloat16()
+    y = routed_experts_forward(q, sa, tw, ids, routed, 10.0, configs=(up, down))
+    parts = routed_experts_forward(q, sa, tw, ids, routed, 10.0, configs=(up, down), down_reduce=False)
+    assert parts.shape == (split_parts(down, i), t, k, h) and parts.dtype == torch.float32
+    local = ref.local_mask(ids, 1, e)
+    assert 0 < int(local.sum()) < t * k
+    summed = torch.zeros(t, k, h)
+    for p in parts:
+        summed = summed + p
+    assert torch.equal(summed.bfloat16()[local].view(torch.int16), y[local].view(torch.int16))
+    got = finalize_split_shared_add(parts, ids, 1, e, shared)
+    assert torch.equal(got.view(torch.int16), finalize_shared_add(y, ids, 1, e, shared).view(torch.int16))
+    with pytest.raises(ValueError, match="down_reduce=False: the down config .* does not split K=512"):
+        routed_experts_forward(q, sa, tw, ids, routed, 10.0, configs=(up, dataclasses.replace(down, split_k=1)),
+                               down_reduce=False)
+
+
 def test_reduce_false_guards():
     """reduce=False hands over partials only where the config splits K; with no local route
     the partials are an (unspecified) [P, R, N] buffer and nothing is launched."""

@@ -153,3 +153,44 @@ def test_routed_stage_calls_after_gate_up_once(kernels_on_cpu, t, monkeypatch):
     assert events.count("fork") == 1 and events[0] == "mxfp4_grouped_gemm" and events[1] == "fork", events
     assert events[2].startswith("swiglu_quant"), events
     assert_bitwise_equal(forked, plain, "routed stage with the after_gate_up callback", T=t)
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_finalize_sums_split_down_bitwise(kernels_on_cpu, t, monkeypatch):
+    """routed_experts.FINALIZE_SUMS_SPLIT (session 32): where the routed down GEMM splits K, the
+    layer's fused finalize sums its fp32 partials itself (no reduce launch). The layer is bitwise
+    the same with the switch off (reduce launch + fused finalize) and with the unfused finalize
+    (reduce launch, fp32 partial written, then the add), and explain() says which runs. The down
+    is forced to split here (the policy splits it only at Flash-sized decode)."""
+    from dsv4_moe import stages
+    from dsv4_moe.kernels import routed_experts as rx
+    from dsv4_moe.kernels.mxfp4_grouped_gemm import GemmConfig
+
+    cfg = MoEConfig(hidden_size=256, moe_intermediate_size=256, n_routed_experts=8, num_experts_per_tok=4,
+                    num_hidden_layers=2, num_hash_layers=1, vocab_size=64)
+    real = rx.routed_configs
+
+    def split_down(num_routes, routed):
+        up = real(num_routes, routed)[0]
+        return up, GemmConfig(up.block_m, 64, 4, 2, kind="swap", split_k=2)
+
+    monkeypatch.setattr(rx, "routed_configs", split_down)
+    w = random_layer_weights(cfg, layer_idx=1, seed=11, device=kernels_on_cpu)
+    layer = DeepseekV4MoE(cfg, w)
+    assert rx.down_split_parts(t * 4, layer.routed) > 1
+    g = torch.Generator().manual_seed(t + 7)
+    x = (torch.randn(t, cfg.hidden_size, generator=g) * 4).to(torch.bfloat16).to(kernels_on_cpu)
+    calls = []
+    spy = stages.finalize_fused_split
+    monkeypatch.setattr(stages, "finalize_fused_split", lambda *a: (calls.append(1), spy(*a))[1])
+    fused = layer(x)
+    assert calls == [1], "the fused finalize did not take the down's partials"
+    assert "the fused finalize sums its" in layer.explain(t)
+    with force_paths(finalize="unfused"):
+        assert "a reduce launch sums its" in layer.explain(t)
+        assert_bitwise_equal(layer(x), fused, "finalize on the down's partials vs the unfused finalize", T=t)
+    monkeypatch.setattr(rx, "FINALIZE_SUMS_SPLIT", False)
+    assert_bitwise_equal(layer(x), fused, "finalize on the down's partials vs reduce + fused finalize", T=t)
+    assert calls == [1] and "FINALIZE_SUMS_SPLIT is off" in layer.explain(t)
+    ref = reference.moe_forward(x.cpu(), None, w.to("cpu"), cfg)
+    assert_bf16_close(fused.cpu(), ref, "layer", "kernel layer (down partials summed in finalize) vs CPU reference")
