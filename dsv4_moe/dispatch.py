@@ -208,18 +208,16 @@ def pdl_policy(num_tokens: int, shared_overlapped: bool, intermediate: int = 0) 
     return "exit", "shared expert overlapped, T > 1: successors released at CTA exit"
 
 
-SHARED_FORK_POINTS = ("logits", "front", "align", "gate_up")
+SHARED_FORK_POINTS = ("logits", "front", "align")
 
 
 def shared_fork_policy(num_tokens: int, intermediate: int) -> tuple[str, str]:
     """(point, reason): where the layer forks the shared expert's side stream (`layers.SHARED_FORK`
     "auto"): "logits" - between the router's logits launch, which quantises x, and its top-k
     launch (the front's quant_in_logits path; elsewhere it falls back to "front"); "front" -
-    right after the front; "align" - after the routed alignment's launch (triton routed path);
-    "gate_up" - after the routed gate_up GEMM's launch (triton routed path; never chosen by this
-    policy yet: session 31 built it, untimed - the shared GEMMs would then overlap the routed
-    SwiGLU-quant and down, which at Flash T = 1 ran alone at ~1.5 TB/s in session 30's timeline,
-    instead of the gate_up they slow; A/B: layers.SHARED_FORK = "gate_up")."""
+    right after the front; "align" - after the routed alignment's launch (triton routed path).
+    (A fork after the routed gate_up GEMM's launch measured slower at every T in session 32: see
+    layers.SHARED_FORK.)"""
     # NOTE (session 27, H200, gpu_profile_layer.py --ab dsv4_moe.layers.FORK_AFTER_ALIGN, 12
     # forwards per graph, us, after the front / after the alignment; docs/bench/2026-11-30/
     # session27/): Flash T=1 58.3 / 56.3 (3 captures each) and 60.2 / 58.4 (2 captures); Pro-TP8

@@ -533,8 +533,8 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
     made by the caller (route_front computes it in the router's launch); its BLOCK_M must be
     the gate_up config's.
     `after_gate_up`: called with no arguments once the gate_up GEMM is enqueued, before the
-    SwiGLU-quant (the layer forks its shared expert there when layers.SHARED_FORK = "gate_up"); not
-    called when there are no routes.
+    SwiGLU-quant (the layer launches its held shared down GEMM there when
+    layers.SHARED_DOWN_AFTER_GATE_UP is set); not called when there are no routes.
     `down_reduce=False` (only when the down config splits K, `down_split_parts(T * k, routed) > 1`):
     return the down's fp32 partials [P, T, k, H] instead of y (each local route's y row is
     bf16(+0.0 + parts[0] + ... + parts[P-1]); rows of other routes unspecified), for

@@ -124,9 +124,9 @@ def test_routed_align_ahead_of_the_routed_stage(kernels_on_cpu, t):
 
 @pytest.mark.parametrize("t", [1, 3])
 def test_routed_stage_calls_after_gate_up_once(kernels_on_cpu, t, monkeypatch):
-    """routed_experts_forward(after_gate_up=...) (the layer's shared-expert fork point "gate_up",
-    session 31, untimed): the callback runs exactly once, after the gate_up GEMM is enqueued and
-    before the SwiGLU-quant, and the routed output keeps its bits."""
+    """routed_experts_forward(after_gate_up=...) (where the layer launches its held shared down GEMM
+    with layers.SHARED_DOWN_AFTER_GATE_UP): the callback runs exactly once, after the gate_up GEMM is
+    enqueued and before the SwiGLU-quant, and the routed output keeps its bits."""
     from dsv4_moe import stages
     from dsv4_moe.kernels import routed_experts as rx
 
