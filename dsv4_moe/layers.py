@@ -103,16 +103,10 @@ class DeepseekV4MLP(_NativeBuffers):
     def forward_quantised(self, q: torch.Tensor, sa: torch.Tensor, ctx: DispatchContext) -> torch.Tensor:
         """The expert on already-quantised rows (q, sa = act_quant(x)), so the MoE layer
         quantises x once for the shared and the routed GEMMs."""
-        return self.down_quantised(*self.gate_up_quantised(q, sa, ctx), ctx)
-
-    def gate_up_quantised(self, q: torch.Tensor, sa: torch.Tensor, ctx: DispatchContext) -> tuple:
-        """First half of `forward_quantised`: the gate_up GEMM and the SwiGLU-quant -> (hq, hs)."""
-        gu = dispatch.select("fp8_gemm", ctx).impl(q, sa, self.w_gate_up, self.w_gate_up_scale)
-        return dispatch.select("swiglu_quant", ctx).impl(gu, self.config.swiglu_limit)
-
-    def down_quantised(self, hq: torch.Tensor, hs: torch.Tensor, ctx: DispatchContext) -> torch.Tensor:
-        """Second half of `forward_quantised`: the down GEMM on (hq, hs) -> [T, H] bf16."""
-        return dispatch.select("fp8_gemm", ctx).impl(hq, hs, self.w_down, self.w_down_scale)
+        gemm = dispatch.select("fp8_gemm", ctx).impl
+        gu = gemm(q, sa, self.w_gate_up, self.w_gate_up_scale)
+        hq, hs = dispatch.select("swiglu_quant", ctx).impl(gu, self.config.swiglu_limit)
+        return gemm(hq, hs, self.w_down, self.w_down_scale)
 
     def explain(self, num_tokens: int) -> str:
         return dispatch.explain(self.context(num_tokens), ["act_quant", "fp8_gemm", "swiglu_quant"])
@@ -140,15 +134,13 @@ SIDE_STREAM_PRIORITY = 0
 # 12 forwards per graph, 3 captures, us, docs/bench/2026-11-30/session32/): a fork after the routed
 # gate_up GEMM's launch ("gate_up", session 31) was slower at every T tried: Flash T=1 53.5 / 55.8,
 # T=2 76.1 / 86.1, T=3 104.1 / 108.1, T=4 123.3 / 125.1, T=8 205.7 / 215.6; Pro-TP8 T=1 32.3 / 34.1,
-# T=2 42.7 / 44.1, T=3 59.0 / 59.1, T=4 62.6 / 67.4, T=8 91.3 / 121.3. Removed.
+# T=2 42.7 / 44.1, T=3 59.0 / 59.1, T=4 62.6 / 67.4, T=8 91.3 / 121.3. Removed; so was (same session, same
+# method, off / on) holding only the shared down GEMM until the routed gate_up's launch: Flash T=1
+# 54.2 / 55.8, T=2 75.9 / 77.6, T=4 123.3 / 124.6, T=16 352.4 / 353.1; Pro-TP8 T=1 32.7 / 36.0, T=2-16
+# +0.2 to +0.5; the layer bench (--graph-chain) Flash T=1 55.7 / 60.7, Pro-TP8 T=1 31.1 / 34.4. At
+# Flash T = 1 the shared gate_up GEMV already spans the routed gate_up and its down the routed down
+# (session 32's timeline, timeline_layer_default_52f2c51.txt).
 SHARED_FORK = "auto"
-# On the triton routed path with the shared expert on its side stream: True holds the shared
-# expert's down GEMM until the routed gate_up GEMM is launched (the side stream waits on the main
-# one there), so the shared down's bytes move from the routed gate_up's window (where the DRAM is
-# busy) into the routed SwiGLU-quant's and down's (where it was idle: Flash T = 1 in session 30's
-# timeline, the routed down alone at ~1.5 TB/s); the shared gate_up and SwiGLU-quant still fork
-# where SHARED_FORK says. Same bits (the same kernels on the same inputs). Session 32; A/B switch.
-SHARED_DOWN_AFTER_GATE_UP = False
 
 
 class DeepseekV4MoE(_NativeBuffers):
@@ -296,28 +288,14 @@ class DeepseekV4MoE(_NativeBuffers):
         # router + act_quant (+ the routed alignment, when the decode front runs in one launch)
         side = self._side_stream(x.device, t)
         forked: list = []
-        # the shared down held until the routed gate_up's launch (SHARED_DOWN_AFTER_GATE_UP)
-        late_down = side is not None and SHARED_DOWN_AFTER_GATE_UP and routed.name == "triton"
-        halfway: list = []
-
-        def on_side(fn, *args):
-            """fn(*args) on the side stream, after everything enqueued on the main one so far."""
-            side.wait_stream(torch.cuda.current_stream(x.device))
-            split = dispatch.shared_split_policy(t, c.local_intermediate(self.tp_size))[0]
-            with torch.cuda.stream(side), dispatch.side_stream_scope(split):
-                return fn(*args)
 
         def fork(q_, sa_, *_):
             """The shared expert on the side stream once q, sa are enqueued on the main one."""
-            if late_down:
-                halfway.append(on_side(self.shared_experts.gate_up_quantised, q_, sa_, ctx))
-            else:
-                forked.append(on_side(self.shared_experts.forward_quantised, q_, sa_, ctx))
-
-        def shared_down():
-            """The held shared down GEMM, on the side stream after the main stream's work so far."""
-            if halfway and not forked:
-                forked.append(on_side(self.shared_experts.down_quantised, *halfway[0], ctx))
+            main_ = torch.cuda.current_stream(x.device)
+            side.wait_stream(main_)
+            split = dispatch.shared_split_policy(t, c.local_intermediate(self.tp_size))[0]
+            with torch.cuda.stream(side), dispatch.side_stream_scope(split):
+                forked.append(self.shared_experts.forward_quantised(q_, sa_, ctx))
 
         point = self._shared_fork(t) if side is not None else None
         topk_w, topk_ids, q, sa, q_pairs, align = dispatch.select("front", ctx).impl(
@@ -327,18 +305,14 @@ class DeepseekV4MoE(_NativeBuffers):
             align = stages.routed_align(topk_w, topk_ids, self.routed)
         if side is None:
             shared = self.shared_experts.forward_quantised(q, sa, ctx)
-        elif not forked and not halfway:  # fork: the shared expert on the side stream once q, sa exist
+        elif not forked:  # fork: the shared expert on the side stream once q, sa exist
             fork(q, sa)
         swiglu = dispatch.select("swiglu_quant", ctx).name
         fin = dispatch.select("finalize", ctx)
         down_parts = self._finalize_sums_down(t, routed.name, fin.name)
-        extra = {"after_gate_up": shared_down} if late_down else {}
-        if down_parts:
-            extra["down_reduce"] = False
         y = routed.impl(q, sa, topk_w, topk_ids, self.routed, c.swiglu_limit, swiglu, q_pairs=q_pairs, align=align,
-                        **extra)
+                        **({"down_reduce": False} if down_parts else {}))
         if side is not None:  # join before the first reader of `shared`
-            shared_down()  # held for a routed gate_up that had no routes to run: launch it now
             shared = forked[0]
             main = torch.cuda.current_stream(x.device)
             main.wait_stream(side)
@@ -394,9 +368,7 @@ class DeepseekV4MoE(_NativeBuffers):
         split = dispatch.shared_split_policy(num_tokens, self.config.local_intermediate(self.tp_size))[1]
         where = {"logits": "after the router's logits launch (on the quant_in_logits front; else after the front)",
                  "align": "after the routed alignment", "front": "right after the front"}[point]
-        held = ("; its down GEMM held until the routed gate_up GEMM's launch (layers.SHARED_DOWN_AFTER_GATE_UP; "
-                "triton routed path)" if SHARED_DOWN_AFTER_GATE_UP else "")
-        return f"{why}; forked {where} ({how}){held}; {split}"
+        return f"{why}; forked {where} ({how}); {split}"
 
     def _shared_fork(self, num_tokens: int) -> str:
         """Where the shared expert forks at num_tokens tokens: "logits", "front" or "align"."""

@@ -330,12 +330,12 @@ def routed_experts_triton_supported(ctx: DispatchContext):
 
 
 def routed_experts_triton(q, sa, topk_w, topk_ids, routed, limit, swiglu="fused", q_pairs=None, align=None,
-                          after_gate_up=None, down_reduce=True):
+                          down_reduce=True):
     # the reference SwiGLU-quant is not a kernel: with swiglu_quant forced to "reference"
     # the routed GEMMs still use the fused kernel, which is bitwise the reference.
     return _kernel("routed_experts").routed_experts_forward(
         q, sa, topk_w, topk_ids, routed, limit, "unfused" if swiglu == "unfused" else "fused", q_pairs=q_pairs,
-        align=align, after_gate_up=after_gate_up, down_reduce=down_reduce)
+        align=align, down_reduce=down_reduce)
 
 
 def routed_down_to_finalize(num_routes, routed):

@@ -219,6 +219,10 @@ PRO_DOWN16_BLOCK_N = 64
 # us, e2ca2ef; bitwise): T=1 32.8 / 32.7, T=2 45.9 / 44.3, T=3 59.1 / 58.6. So 64.
 PRO_DOWN16_SMALL_BLOCK_N = 64
 PRO_DOWN16_SMALL_MAX_ROWS = 1.0
+# Register cap of the split-K 16-row swap gate_up (decode: Flash-shaped T = 1, Pro-shaped T <= 12);
+# 0 = none. Uncapped these compile to 130 (Flash) / 132 (Pro-TP8) registers on "mma64e", 3 programs
+# per SM; 128 gives 4 (offline sm_90a: Pro no stack, Flash an 8-byte spill). Session 32; A/B switch.
+SPLIT_UP16_MAXNREG = 0
 # A 64-register cap on it (66 -> 64 registers, no stack, 0 hazards offline: 8 programs per SM
 # instead of 7) was level in the layer (session 29, same tool, us, none / 64: T=1 32.6 / 32.4, T=2
 # 44.9 / 45.1, T=3 58.9 / 58.6), so it stays uncapped.
@@ -306,6 +310,9 @@ def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str
             down = dataclasses.replace(down, unroll=1)
     if layout == "mma64e":
         up, down = _mma64e_configs(up, down, i, num_routes / max(num_local, 1))
+    if SPLIT_UP16_MAXNREG and up.kind == "swap" and up.block_m == 16 and up.split_k > 1 and up.maxnreg is None \
+            and split_parts(up, h) > 1:
+        up = dataclasses.replace(up, maxnreg=SPLIT_UP16_MAXNREG)
     if n_fastest:
         up, down = _n_fastest(up, num_routes, num_local), _n_fastest(down, num_routes, num_local)
     return up, down
@@ -520,7 +527,7 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
                            topk_ids: torch.Tensor, routed: RoutedExpertWeights, limit: float,
                            swiglu: str = "fused", *, configs: tuple[GemmConfig, GemmConfig] | None = None,
                            return_alignment: bool = False, q_pairs: torch.Tensor | None = None,
-                           align: MoeAlignment | None = None, after_gate_up=None, down_reduce: bool = True):
+                           align: MoeAlignment | None = None, down_reduce: bool = True):
     """y [T, k, H] bf16 for every local route (see the module docstring).
 
     `swiglu` picks the SwiGLU-quant between the GEMMs: "fused" (one kernel) or "unfused"
@@ -532,9 +539,6 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
     `align`: `moe_align(topk_ids, routed.num_local, routed.first_expert, BLOCK_M, topk_weights)`
     made by the caller (route_front computes it in the router's launch); its BLOCK_M must be
     the gate_up config's.
-    `after_gate_up`: called with no arguments once the gate_up GEMM is enqueued, before the
-    SwiGLU-quant (the layer launches its held shared down GEMM there when
-    layers.SHARED_DOWN_AFTER_GATE_UP is set); not called when there are no routes.
     `down_reduce=False` (only when the down config splits K, `down_split_parts(T * k, routed) > 1`):
     return the down's fp32 partials [P, T, k, H] instead of y (each local route's y row is
     bf16(+0.0 + parts[0] + ... + parts[P-1]); rows of other routes unspecified), for
@@ -585,8 +589,6 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
                             a_pairs=q_pairs if cfg_up.a_bf16 else None,
                             a_pairs_scaled=cfg_up.fold_sa and cfg_up.a_bf16 and q_pairs is not None,
                             reduce=not partials)
-    if after_gate_up is not None:
-        after_gate_up()
     # NOTE (session 13): from SWIGLU_ROUTE_LIST_MIN_ROUTES routes the SwiGLU-quant works on the
     # route list (align.route_rows: the GEMM row of each local route), not on the
     # alignment's max_rows rows - at decode most of those are block padding (Flash T = 16:

@@ -123,39 +123,6 @@ def test_routed_align_ahead_of_the_routed_stage(kernels_on_cpu, t):
 
 
 @pytest.mark.parametrize("t", [1, 3])
-def test_routed_stage_calls_after_gate_up_once(kernels_on_cpu, t, monkeypatch):
-    """routed_experts_forward(after_gate_up=...) (where the layer launches its held shared down GEMM
-    with layers.SHARED_DOWN_AFTER_GATE_UP): the callback runs exactly once, after the gate_up GEMM is
-    enqueued and before the SwiGLU-quant, and the routed output keeps its bits."""
-    from dsv4_moe import stages
-    from dsv4_moe.kernels import routed_experts as rx
-
-    w = random_layer_weights(CFG, layer_idx=1, seed=9, device=kernels_on_cpu)
-    layer = DeepseekV4MoE(CFG, w)
-    g = torch.Generator().manual_seed(t + 100)
-    x = (torch.randn(t, CFG.hidden_size, generator=g) * 4).to(torch.bfloat16).to(kernels_on_cpu)
-    topk_w, topk_ids = stages.router_triton(x, layer.router, None, CFG.num_experts_per_tok, CFG.routed_scaling_factor)
-    q, sa = stages.act_quant_triton(x)
-    args = (q, sa, topk_w, topk_ids, layer.routed, CFG.swiglu_limit, "fused")
-    events = []
-    for name in ("mxfp4_grouped_gemm", "swiglu_quant", "swiglu_quant_partials"):
-        real = getattr(rx, name, None)
-        if real is None:
-            continue
-        monkeypatch.setattr(rx, name, lambda *a, _n=name, _f=real, **k: (events.append(_n), _f(*a, **k))[1])
-    import dsv4_moe.kernels.swiglu_quant as sq
-    for name in ("swiglu_quant", "swiglu_quant_partials"):
-        real = getattr(sq, name)
-        monkeypatch.setattr(sq, name, lambda *a, _n=name, _f=real, **k: (events.append(_n), _f(*a, **k))[1])
-    plain = stages.routed_experts_triton(*args)
-    events.clear()
-    forked = stages.routed_experts_triton(*args, after_gate_up=lambda: events.append("fork"))
-    assert events.count("fork") == 1 and events[0] == "mxfp4_grouped_gemm" and events[1] == "fork", events
-    assert events[2].startswith("swiglu_quant"), events
-    assert_bitwise_equal(forked, plain, "routed stage with the after_gate_up callback", T=t)
-
-
-@pytest.mark.parametrize("t", [1, 3])
 def test_finalize_sums_split_down_bitwise(kernels_on_cpu, t, monkeypatch):
     """routed_experts.FINALIZE_SUMS_SPLIT (session 32): where the routed down GEMM splits K, the
     layer's fused finalize sums its fp32 partials itself (no reduce launch). The layer is bitwise

@@ -304,10 +304,6 @@ def test_shared_fork_switch(monkeypatch):
     with pytest.raises(ValueError, match="SHARED_FORK='gate_up': expected 'auto' or one of"):
         layer._shared_fork(1)
     monkeypatch.setattr(layers, "SHARED_FORK", "auto")
-    assert "held until" not in layer._shared_line(2)
-    monkeypatch.setattr(layers, "SHARED_DOWN_AFTER_GATE_UP", True)
-    assert "its down GEMM held until the routed gate_up GEMM's launch" in layer._shared_line(2)
-    monkeypatch.setattr(layers, "SHARED_DOWN_AFTER_GATE_UP", False)
     pro = DeepseekV4MoE(cfg.replace(moe_intermediate_size=384), random_layer_weights(
         cfg.replace(moe_intermediate_size=384), layer_idx=1, seed=1))
     monkeypatch.setattr(pro, "shared_overlap", lambda t: (True, "on a side stream"))
