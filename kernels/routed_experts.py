@@ -223,6 +223,9 @@ PRO_DOWN16_SMALL_MAX_ROWS = 1.0
 # 0 = none. Uncapped these compile to 130 (Flash) / 132 (Pro-TP8) registers on "mma64e", 3 programs
 # per SM; 128 gives 4 (offline sm_90a: Pro no stack, Flash an 8-byte spill). Session 32; A/B switch.
 SPLIT_UP16_MAXNREG = 0
+# ... and its weight rows per program (block_n; 64 doubles the programs of a decode launch). Session
+# 32; A/B switch (session 29's per-GEMM probe had 16 x 64 at 1.05x on the Pro-TP8 gate_up at T = 1).
+SPLIT_UP16_BLOCK_N = 128
 # A 64-register cap on it (66 -> 64 registers, no stack, 0 hazards offline: 8 programs per SM
 # instead of 7) was level in the layer (session 29, same tool, us, none / 64: T=1 32.6 / 32.4, T=2
 # 44.9 / 45.1, T=3 58.9 / 58.6), so it stays uncapped.
@@ -310,9 +313,8 @@ def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str
             down = dataclasses.replace(down, unroll=1)
     if layout == "mma64e":
         up, down = _mma64e_configs(up, down, i, num_routes / max(num_local, 1))
-    if SPLIT_UP16_MAXNREG and up.kind == "swap" and up.block_m == 16 and up.split_k > 1 and up.maxnreg is None \
-            and split_parts(up, h) > 1:
-        up = dataclasses.replace(up, maxnreg=SPLIT_UP16_MAXNREG)
+    if up.kind == "swap" and up.block_m == 16 and up.split_k > 1 and up.maxnreg is None and split_parts(up, h) > 1:
+        up = dataclasses.replace(up, maxnreg=SPLIT_UP16_MAXNREG or None, block_n=SPLIT_UP16_BLOCK_N)
     if n_fastest:
         up, down = _n_fastest(up, num_routes, num_local), _n_fastest(down, num_routes, num_local)
     return up, down
