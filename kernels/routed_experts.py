@@ -219,16 +219,20 @@ PRO_DOWN16_BLOCK_N = 64
 # us, e2ca2ef; bitwise): T=1 32.8 / 32.7, T=2 45.9 / 44.3, T=3 59.1 / 58.6. So 64.
 PRO_DOWN16_SMALL_BLOCK_N = 64
 PRO_DOWN16_SMALL_MAX_ROWS = 1.0
-# Register cap of the split-K 16-row swap gate_up (decode: Flash-shaped T = 1, Pro-shaped T <= 12);
-# 0 = none. Uncapped these compile to 130 (Flash) / 132 (Pro-TP8) registers on "mma64e", 3 programs
-# per SM; 128 gives 4 (offline sm_90a: Pro no stack, Flash an 8-byte spill). Session 32; A/B switch.
-SPLIT_UP16_MAXNREG = 0
-# ... and its weight rows per program (block_n; 64 doubles the programs of a decode launch). Session
-# 32; A/B switch (session 29's per-GEMM probe had 16 x 64 at 1.05x on the Pro-TP8 gate_up at T = 1).
-SPLIT_UP16_BLOCK_N = 128
 # A 64-register cap on it (66 -> 64 registers, no stack, 0 hazards offline: 8 programs per SM
 # instead of 7) was level in the layer (session 29, same tool, us, none / 64: T=1 32.6 / 32.4, T=2
 # 44.9 / 45.1, T=3 58.9 / 58.6), so it stays uncapped.
+# NOTE (session 32, H200, gpu_profile_layer.py --ab, 12 forwards per graph, 3 captures, us, and the
+# layer bench --graph-chain, two runs; docs/bench/2026-11-30/session32/): the split-K 16-row decode
+# gate_up (Flash-shaped T = 1, Pro-shaped T <= 12) with a 128-register cap (uncapped 130 / 132
+# registers on "mma64e", 3 programs per SM; capped 127 / 128, 4 per SM, no spill, no SASS hazard)
+# or on 16 x 64 tiles (63-66 registers, twice the programs) was slower everywhere it applies:
+# profile Flash T=1 54.1 / 58.4 (cap) and 54.0 / 58.1 (16 x 64); Pro-TP8 T=1 32.5 / 35.1 and 32.7 /
+# 35.5, T=4 63.0 / 63.2 and 62.9 / 68.6, T=8 91.5 / 92.6 and 91.1 / 101.6; layer bench Flash T=1
+# 55.4-55.6 / 62.1 / 61.3-61.4 (default / cap / 16 x 64), Pro-TP8 T=1 31.0 / 33.5 / 33.8-33.9, T=8
+# 92.4-92.6 / 93.5-93.8 / 103.6-103.7. A likely cause (not measured): 4 gate_up programs of 128 x
+# 128 registers take all 64K of an SM, leaving none to the shared expert's GEMV that runs beside
+# them. Removed.
 # Rows per local expert from which the Pro-shaped (I <= 1024) short-K down on 16-row blocks takes
 # its activations as bf16 pairs (swiglu_quant writes them; same bits as fp8). NOTE (session 24,
 # H200, layer bench, graphs, rotated weights, two alternating runs each, docs/bench/2026-11-30/
@@ -313,8 +317,6 @@ def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str
             down = dataclasses.replace(down, unroll=1)
     if layout == "mma64e":
         up, down = _mma64e_configs(up, down, i, num_routes / max(num_local, 1))
-    if up.kind == "swap" and up.block_m == 16 and up.split_k > 1 and up.maxnreg is None and split_parts(up, h) > 1:
-        up = dataclasses.replace(up, maxnreg=SPLIT_UP16_MAXNREG or None, block_n=SPLIT_UP16_BLOCK_N)
     if n_fastest:
         up, down = _n_fastest(up, num_routes, num_local), _n_fastest(down, num_routes, num_local)
     return up, down
