@@ -36,12 +36,14 @@ __all__ = ["finalize_shared_add", "finalize_split_shared_add", "finalize_partial
            "finalize_unfused"]
 
 _SMALL_T = 64
+# BLOCK_H below _SMALL_T tokens (an A/B switch: at T = 1 the grid is H / SMALL_T_BLOCK_H programs).
+SMALL_T_BLOCK_H = 256
 
 
 def _block_h(t: int, h: int) -> tuple[int, int]:
     import triton  # noqa: PLC0415
 
-    bh = 256 if t < _SMALL_T else 1024
+    bh = SMALL_T_BLOCK_H if t < _SMALL_T else 1024
     bh = min(bh, max(triton.next_power_of_2(h), 32))
     return bh, max(1, min(4, bh // 256))
 
