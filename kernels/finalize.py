@@ -21,8 +21,8 @@ Expert parallelism (SPEC §6): finalize_partial -> all_reduce(acc, fp32) ->
 add_shared_round; without EP the fused kernel is used. Fused == unfused bitwise.
 
 BLOCK_H: 1024 columns per program (16-byte loads with 4 warps) once there are enough
-tokens to fill the GPU; 256 below `_SMALL_T` tokens so a decode call still spreads over
-more SMs (T * H / 256 programs). NOTE (session 9, scripts/gpu_probe_finalize.py, CUDA
+tokens to fill the GPU; SMALL_T_BLOCK_H (128 since session 32, 256 before) below `_SMALL_T`
+tokens so a decode call still spreads over more SMs (T * H / 128 programs). NOTE (session 9, scripts/gpu_probe_finalize.py, CUDA
 graphs, rotated inputs, docs/bench/2026-11-29/session9/probe_finalize_70c3d16.txt): the
 crossover sits between 64 and 256 tokens (us fused, BLOCK_H 256 / 1024: H 7168 T=16 5.08 /
 11.39, T=64 7.71 / 7.86, T=256 12.18 / 11.59, T=4096 140.95 / 103.20), so the rule stays.
@@ -36,8 +36,14 @@ __all__ = ["finalize_shared_add", "finalize_split_shared_add", "finalize_partial
            "finalize_unfused"]
 
 _SMALL_T = 64
-# BLOCK_H below _SMALL_T tokens (an A/B switch: at T = 1 the grid is H / SMALL_T_BLOCK_H programs).
-SMALL_T_BLOCK_H = 256
+# BLOCK_H below _SMALL_T tokens (an A/B switch: at T = 1 the grid is H / SMALL_T_BLOCK_H programs, one
+# warp each). NOTE (session 32, H200, docs/bench/2026-11-30/session32/): gpu_profile_layer.py --ab
+# (12 forwards per graph, 3 captures, us, 256 / 128 / 64, outputs bitwise the default's): Flash T=1
+# 53.6 / 53.2 / 53.2, T=2 75.7 / 75.7 / 76.2; Pro-TP8 T=1 32.4 / 32.2 / 32.4, T=2 43.1 / 43.1 / 43.0.
+# The layer bench (--graph-chain, two alternating runs, 256 / 128): Flash T=1 55.5 / 54.4 and 55.2 /
+# 54.6, T=16 356.2 / 354.5 and 352.0 / 348.2; Pro-TP8 T=1 31.0 / 30.9 twice, T=16 142.5 / 141.5 and
+# 141.8 / 141.4. So 128.
+SMALL_T_BLOCK_H = 128
 
 
 def _block_h(t: int, h: int) -> tuple[int, int]:

@@ -4,7 +4,8 @@
 
 For H in {4096, 7168} (Flash, Pro) and top-6 with one route in eight non-local: the fused
 kernel (`finalize_shared_add`) and its twin (`finalize_unfused`: fp32 partial written,
-then add + round), each with the default BLOCK_H rule and with BLOCK_H forced to 256 and
+then add + round), each with the default BLOCK_H rule and with BLOCK_H forced to the small-T
+block (`finalize.SMALL_T_BLOCK_H`: 256 until session 32, 128 since; the JSON key says which) and
 to 1024 (the `_SMALL_T` crossover of kernels/finalize.py). CUDA-graph replay, inputs
 rotated over enough sets to exceed 2x the 60 MB L2; every variant checked bitwise against
 the default fused output before it is timed. Writes $OUT/probe_finalize.json and prints one
@@ -101,7 +102,8 @@ def main():
             row = dict(H=h, T=t, sets=sets, calls_per_graph=args.calls_per_graph, bytes_fused=t * k * h * 2 + 4 * t * h,
                        bytes_unfused=t * k * h * 2 + 12 * t * h)
             saved = fin._SMALL_T
-            for tag, small_t in (("default", saved), ("bh256", 1 << 30), ("bh1024", 0)):
+            small = f"bh{fin.SMALL_T_BLOCK_H}"
+            for tag, small_t in (("default", saved), (small, 1 << 30), ("bh1024", 0)):
                 fin._SMALL_T = small_t
                 try:
                     for name, fn in (("fused", fin.finalize_shared_add), ("unfused", fin.finalize_unfused)):
@@ -114,16 +116,16 @@ def main():
                 finally:
                     fin._SMALL_T = saved
             row["ratio_default"] = row["unfused_default_us"] / row["fused_default_us"]
-            best_f = min(row["fused_bh256_us"], row["fused_bh1024_us"])
-            best_u = min(row["unfused_bh256_us"], row["unfused_bh1024_us"])
+            best_f = min(row[f"fused_{small}_us"], row["fused_bh1024_us"])
+            best_u = min(row[f"unfused_{small}_us"], row["unfused_bh1024_us"])
             row["ratio_best"] = best_u / best_f
             row["TBps_fused"] = row["bytes_fused"] / row["fused_default_us"] / 1e6
             rows.append(row)
             ok = all(v for key, v in row.items() if key.endswith("_bitwise"))
             print(f"H={h} T={t:5d} fused {row['fused_default_us']:8.2f} us ({row['TBps_fused']:.2f} TB/s) "
-                  f"unfused {row['unfused_default_us']:8.2f} -> {row['ratio_default']:.2f}x | BLOCK_H 256 / 1024: "
-                  f"fused {row['fused_bh256_us']:.2f} / {row['fused_bh1024_us']:.2f}, unfused "
-                  f"{row['unfused_bh256_us']:.2f} / {row['unfused_bh1024_us']:.2f} | bitwise {ok}", flush=True)
+                  f"unfused {row['unfused_default_us']:8.2f} -> {row['ratio_default']:.2f}x | BLOCK_H {small[2:]} / 1024: "
+                  f"fused {row[f'fused_{small}_us']:.2f} / {row['fused_bh1024_us']:.2f}, unfused "
+                  f"{row[f'unfused_{small}_us']:.2f} / {row['unfused_bh1024_us']:.2f} | bitwise {ok}", flush=True)
             del data, want
     with open(os.path.join(out_dir, f"probe_finalize_x{args.calls_per_graph}.json"), "w") as f:
         json.dump(rows, f, indent=1)
