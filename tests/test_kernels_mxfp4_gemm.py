@@ -147,6 +147,19 @@ def test_swiglu_on_route_list_bitwise(monkeypatch, swiglu):
     assert torch.equal(ys[0][local].view(torch.int16), ys[1][local].view(torch.int16))
 
 
+def _rank_case(seed, h, i, e=6, k=3, t=2):
+    """A small routed layer owning experts 1..e of e + 2, an input x, sorted ids with one route
+    to another rank's expert (token 1, slot 0), and route weights."""
+    g = torch.Generator().manual_seed(seed)
+    gu, gus = _weights(e, 2 * i, h, g)
+    dn, dns = _weights(e, h, i, g)
+    routed = RoutedExpertWeights(gu, gus, dn, dns, first_expert=1, num_experts=e + 2)
+    x = torch.randn(t, h, generator=g).bfloat16() * 4
+    ids = _ids(t, k, e + 2, g)
+    ids[1, 0] = 0                                                        # not on this rank
+    return routed, x, ids.sort(1).values, torch.rand(t, k, generator=g), g
+
+
 @pytest.mark.parametrize("fold", [False, True], ids=["per-block-partials", "folded-per-split"])
 def test_split_gate_up_partials_summed_in_swiglu_bitwise(monkeypatch, fold):
     """routed_experts.SWIGLU_SUMS_SPLIT: a split-K gate_up returns its fp32 partials
@@ -157,20 +170,12 @@ def test_split_gate_up_partials_summed_in_swiglu_bitwise(monkeypatch, fold):
     from dsv4_moe.kernels.act_quant import act_quant
     from dsv4_moe.kernels.mxfp4_grouped_gemm import split_parts
 
-    g = torch.Generator().manual_seed(17)
     e, h, i, k, t = 6, 512, 128, 3, 2
-    gu, gus = _weights(e, 2 * i, h, g)
-    dn, dns = _weights(e, h, i, g)
-    routed = RoutedExpertWeights(gu, gus, dn, dns, first_expert=1, num_experts=8)   # owns 1..6
-    x = torch.randn(t, h, generator=g).bfloat16() * 4
+    routed, x, ids, tw, _ = _rank_case(17, h, i, e, k, t)
     up = GemmConfig(16, 64, 4, 2, kind="swap", split_k=2, a_bf16=fold, fold_sa=fold)
     down = GemmConfig(16, 64, 4, 2, kind="swap")
     assert split_parts(up, h) == (2 if fold else 4) and split_parts(down, i) == 1
     q, sa, *pairs = act_quant(x, pairs="scaled" if fold else False)
-    ids = _ids(t, k, 8, g)
-    ids[1, 0] = 0                                                        # not on this rank
-    ids = ids.sort(1).values
-    tw = torch.rand(t, k, generator=g)
     ys = {}
     for name, on, swiglu in (("partials", True, "fused"), ("reduce", False, "fused"), ("unfused", True, "unfused")):
         monkeypatch.setattr(re_mod, "SWIGLU_SUMS_SPLIT", on)
@@ -192,20 +197,12 @@ def test_split_down_partials_summed_in_finalize_bitwise(fold):
     from dsv4_moe.kernels.finalize import finalize_shared_add, finalize_split_shared_add
     from dsv4_moe.kernels.mxfp4_grouped_gemm import split_parts
 
-    g = torch.Generator().manual_seed(23)
     e, h, i, k, t = 6, 256, 512, 3, 2
-    gu, gus = _weights(e, 2 * i, h, g)
-    dn, dns = _weights(e, h, i, g)
-    routed = RoutedExpertWeights(gu, gus, dn, dns, first_expert=1, num_experts=8)   # owns 1..6
-    x = torch.randn(t, h, generator=g).bfloat16() * 4
+    routed, x, ids, tw, g = _rank_case(23, h, i, e, k, t)
     up = GemmConfig(16, 64, 4, 2, kind="swap")
     down = GemmConfig(16, 64, 4, 2, kind="swap", split_k=2, fold_sa=fold, a_bf16=fold)
     assert split_parts(down, i) == (2 if fold else 4)
     q, sa = act_quant(x)
-    ids = _ids(t, k, 8, g)
-    ids[1, 0] = 0                                                        # not on this rank
-    ids = ids.sort(1).values
-    tw = torch.rand(t, k, generator=g)
     shared = torch.randn(t, h, generator=g).bfloat16()
     y = routed_experts_forward(q, sa, tw, ids, routed, 10.0, configs=(up, down))
     parts = routed_experts_forward(q, sa, tw, ids, routed, 10.0, configs=(up, down), down_reduce=False)
