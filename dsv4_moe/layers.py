@@ -108,6 +108,10 @@ class DeepseekV4MLP(_NativeBuffers):
         hq, hs = dispatch.select("swiglu_quant", ctx).impl(gu, self.config.swiglu_limit)
         return gemm(hq, hs, self.w_down, self.w_down_scale)
 
+    def prefetch_tensors(self) -> list:
+        """The expert's weight tensors in the order its forward reads them (for an L2 prefetch)."""
+        return [self.w_gate_up, self.w_gate_up_scale, self.w_down, self.w_down_scale]
+
     def explain(self, num_tokens: int) -> str:
         return dispatch.explain(self.context(num_tokens), ["act_quant", "fp8_gemm", "swiglu_quant"])
 
@@ -141,6 +145,18 @@ SIDE_STREAM_PRIORITY = 0
 # Flash T = 1 the shared gate_up GEMV already spans the routed gate_up and its down the routed down
 # (session 32's timeline, timeline_layer_default_52f2c51.txt).
 SHARED_FORK = "auto"
+# L2 prefetch at decode (kernels/l2_prefetch.py), on a stream of the layer's own that joins
+# before the finalize; the outputs are the same bits with or without it (nothing is loaded into
+# registers or written). SHARED_L2_PREFETCH: the shared expert's four weight tensors fetched
+# "start" (before the router's logits launch: the DRAM is nearly idle during the router's
+# three small launches), "logits" (after the logits launch, on the quant_in_logits front;
+# after the front on the others) or "off". ROUTED_DOWN_L2_PREFETCH: the routed down weights of
+# the chosen experts fetched after the front, while the routed gate_up runs. Both only up to
+# L2_PREFETCH_MAX_TOKENS tokens. A/B switches (session 33).
+SHARED_L2_PREFETCH = "off"
+SHARED_L2_PREFETCH_POINTS = ("off", "start", "logits")
+ROUTED_DOWN_L2_PREFETCH = False
+L2_PREFETCH_MAX_TOKENS = 16
 
 
 class DeepseekV4MoE(_NativeBuffers):
@@ -176,6 +192,7 @@ class DeepseekV4MoE(_NativeBuffers):
             raise TypeError(f"overlap_shared={overlap_shared!r}: expected 'auto', True or False")
         self.overlap_shared = overlap_shared
         self._side_streams: dict = {}
+        self._prefetch_streams: dict = {}
         self._contexts: dict = {}  # (T, device) -> DispatchContext (immutable per layer)
         config.check_parallel(tp_rank=weights.tp_rank, tp_size=weights.tp_size, ep_rank=weights.ep_rank,
                               ep_size=weights.ep_size)
@@ -298,9 +315,37 @@ class DeepseekV4MoE(_NativeBuffers):
                 forked.append(self.shared_experts.forward_quantised(q_, sa_, ctx))
 
         point = self._shared_fork(t) if side is not None else None
+        pf = self._prefetch_stream(x.device, t)
+        pf_shared = self._shared_prefetch_point(t) if pf is not None else "off"
+
+        def prefetch(*tensors_or_experts):
+            """L2 prefetch on the layer's prefetch stream, ordered after the main stream's work so far."""
+            main_ = torch.cuda.current_stream(x.device)
+            pf.wait_stream(main_)
+            with torch.cuda.stream(pf):
+                from .kernels import l2_prefetch as l2p
+
+                if len(tensors_or_experts) == 1:
+                    l2p.l2_prefetch(tensors_or_experts[0])
+                else:
+                    l2p.l2_prefetch_experts(*tensors_or_experts)
+
+        def after_logits(*a):
+            if pf_shared == "logits":
+                prefetch(self.shared_experts.prefetch_tensors())
+            if point == "logits":
+                fork(*a)
+
+        if pf_shared == "start":
+            prefetch(self.shared_experts.prefetch_tensors())
         topk_w, topk_ids, q, sa, q_pairs, align = dispatch.select("front", ctx).impl(
             ctx, x, self.router, input_ids, c.num_experts_per_tok, c.routed_scaling_factor, self.routed, pairs,
-            after_logits=fork if point == "logits" else None)
+            after_logits=after_logits if "logits" in (point, pf_shared) else None)
+        if pf_shared == "logits" and dispatch.select("front", ctx).name != "quant_in_logits":
+            prefetch(self.shared_experts.prefetch_tensors())  # no logits hook on this front: after it
+        if pf is not None and ROUTED_DOWN_L2_PREFETCH and routed.name == "triton":
+            r_ = self.routed
+            prefetch(r_.down, r_.down_scale, topk_ids, r_.first_expert)
         if point == "align" and align is None and routed.name == "triton":
             align = stages.routed_align(topk_w, topk_ids, self.routed)
         if side is None:
@@ -317,6 +362,8 @@ class DeepseekV4MoE(_NativeBuffers):
             main = torch.cuda.current_stream(x.device)
             main.wait_stream(side)
             shared.record_stream(main)  # allocated on the side stream, freed after main reads it
+        if pf is not None:  # the prefetch stream joins too (a capture must end on the origin stream)
+            torch.cuda.current_stream(x.device).wait_stream(pf)
         if down_parts:
             return stages.finalize_fused_split(y, topk_ids, shared, self.first_expert, self.num_local_experts)
         if self.tp_size == 1 and self.ep_size == 1:
@@ -389,6 +436,36 @@ class DeepseekV4MoE(_NativeBuffers):
             self._side_streams[key] = torch.cuda.Stream(device=device, priority=SIDE_STREAM_PRIORITY)
         return self._side_streams[key]
 
+    def _shared_prefetch_point(self, num_tokens: int) -> str:
+        """Where the shared expert's weights are prefetched into the L2 at num_tokens tokens."""
+        if SHARED_L2_PREFETCH not in SHARED_L2_PREFETCH_POINTS:
+            raise ValueError(f"layers.SHARED_L2_PREFETCH={SHARED_L2_PREFETCH!r}: expected one of "
+                             f"{SHARED_L2_PREFETCH_POINTS}")
+        return SHARED_L2_PREFETCH if num_tokens <= L2_PREFETCH_MAX_TOKENS else "off"
+
+    def _prefetch_stream(self, device: torch.device, num_tokens: int):
+        """The L2-prefetch stream of `device` (None: no prefetch at this T, or not CUDA)."""
+        if (device.type != "cuda" or num_tokens > L2_PREFETCH_MAX_TOKENS
+                or (self._shared_prefetch_point(num_tokens) == "off" and not ROUTED_DOWN_L2_PREFETCH)):
+            return None
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx not in self._prefetch_streams:
+            self._prefetch_streams[idx] = torch.cuda.Stream(device=device)
+        return self._prefetch_streams[idx]
+
+    def _prefetch_line(self, num_tokens: int) -> str:
+        if self.device.type != "cuda":
+            return f"L2 prefetch: none (device {self.device.type})"
+        if num_tokens > L2_PREFETCH_MAX_TOKENS:
+            return f"L2 prefetch: none (T = {num_tokens} > layers.L2_PREFETCH_MAX_TOKENS = {L2_PREFETCH_MAX_TOKENS})"
+        where = {"off": "not prefetched", "start": "prefetched before the router's logits launch",
+                 "logits": "prefetched after the router's logits launch"}[self._shared_prefetch_point(num_tokens)]
+        down = ("the chosen experts' routed down weights prefetched after the front" if ROUTED_DOWN_L2_PREFETCH
+                else "routed down weights not prefetched")
+        return (f"L2 prefetch (kernels/l2_prefetch.py, own stream; layers.SHARED_L2_PREFETCH = "
+                f"{SHARED_L2_PREFETCH!r}, ROUTED_DOWN_L2_PREFETCH = {ROUTED_DOWN_L2_PREFETCH}): shared expert "
+                f"weights {where}; {down}")
+
     def explain(self, num_tokens: int) -> str:
         c = self.config
         head = (f"DeepseekV4MoE layer {self.layer_idx} ({'hash' if self.is_hash else 'top-k'} routing), "
@@ -398,6 +475,7 @@ class DeepseekV4MoE(_NativeBuffers):
                 f"routed weights in layout {self.routed_layout!r}: {self.routed_layout_reason}"
                 f"{self._layout_hint()}\n"
                 f"shared expert: {self._shared_line(num_tokens)}\n"
+                f"{self._prefetch_line(num_tokens)}\n"
                 f"shared expert as expert {c.n_routed_experts} in the routed launch (SPEC §5.3): not taken: "
                 f"{self._heterogeneous_reason(num_tokens)}")
         if self.device.type == "cuda" and dispatch.has_pdl(self.device)[0]:
