@@ -35,7 +35,7 @@ __all__ = ["l2_prefetch", "l2_prefetch_experts", "MODES"]
 
 MODES = ("line", "bulk")
 MODE = "line"        # A/B switch (scripts/gpu_profile_layer.py --ab dsv4_moe.kernels.l2_prefetch.MODE=line,bulk)
-EVICT_LAST = True    # A/B switch
+EVICT_LAST = False   # A/B switch
 PROGRAMS = 16        # programs per range (grid axis 0)
 BULK_CHUNK = 16384   # bytes per bulk prefetch instruction
 _BLOCK = 128         # lanes per program per step (4 warps, one unit each)
