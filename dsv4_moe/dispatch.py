@@ -28,6 +28,7 @@ __all__ = [
     "DispatchContext", "Path", "STAGES", "select", "plan", "explain", "force_paths", "clear_plan_cache",
     "has_cuda", "has_fp8_mma", "has_pdl", "has_triton", "is_gfx950",
     "PDL_MODE", "PDL_MODES", "pdl_mode", "pdl_scope", "pdl_policy", "shared_overlap_policy", "shared_fork_policy", "SHARED_FORK_POINTS",
+    "shared_prefetch_policy", "SHARED_PREFETCH_POINTS",
     "side_stream_scope", "on_side_stream", "side_stream_split_k", "shared_split_policy",
 ]
 
@@ -246,6 +247,38 @@ def shared_fork_policy(num_tokens: int, intermediate: int) -> tuple[str, str]:
         return "logits", (f"T = {num_tokens}, I = {intermediate}: shared expert forked after the router's logits "
                           f"launch (measured faster on the H200)")
     return "front", "shared expert forked right after the front"
+
+
+SHARED_PREFETCH_POINTS = ("off", "start", "logits")
+
+
+def shared_prefetch_policy(num_tokens: int, intermediate: int, fork: "str | None") -> tuple[str, str]:
+    """(point, reason): whether and where a decode forward prefetches the shared expert's weights
+    into the L2 (`layers.SHARED_L2_PREFETCH` "auto"; kernels/l2_prefetch.py): "off", "start"
+    (before the router's logits launch) or "logits" (after it). `fork`: where the shared expert
+    forks (shared_fork_policy), None when it runs in line."""
+    # NOTE (session 33, H200, docs/bench/2026-11-30/session33/): gpu_profile_layer.py --ab
+    # dsv4_moe.layers.SHARED_L2_PREFETCH=off,start,logits (12 forwards per graph, 4 weight sets,
+    # 3 captures, us; every output bitwise the default's): Pro-TP8 (I = 384) T=1 32.1 / 32.4 / 31.6,
+    # T=2 42.9 / 43.6 / 42.5, T=3 57.4 / 57.1 / 55.4, T=4 62.8 / 63.7 / 63.3, T=5 74.4 / 74.0 / 74.1,
+    # T=6 79.6 / 80.6 / 79.7, T=8 90.8 / 92.1 / 90.9, T=16 144.4 / 145.9 / 144.1; Flash (I = 2048)
+    # T=1 52.8 / 55.0 / 54.7, T=2 75.6 / 80.3 / 80.3, T=3 104.9 / 105.1 / 104.7, T=4 127.7 / 124.7 /
+    # 123.5, T=6 164.2 / 162.6 / 161.8, T=8 203.7 / 205.5 / 205.2, T=16 342.4 / 344.7 / 344.1. The
+    # layer bench (the method of record, --graph-chain; off / logits): Pro-TP8 T=1 30.9 / 30.9, T=2
+    # 41.7 / 42.8, T=3 57.1 / 55.4; Flash T=3 105.7 / 106.0, T=4 122.7 / 123.7, T=6 160.6 / 162.6,
+    # T=8 202.8 / 204.8. The gain needs a shared expert that forks after the front (Pro-shaped T = 3):
+    # where it forks after the logits (T = 2, 4-8) its own GEMMs already read the DRAM during the
+    # front. At Flash T = 1 the timeline with the weights prefetched (timeline_layer_pf_start) shows
+    # the shared gate_up GEMV no faster from the L2 (24.5 us beside the routed gate_up either way):
+    # the decode GEMMs there wait on issue, not on the DRAM. Prefetching the chosen experts' routed
+    # down weights after the front was slower at every T tried (Flash T=1 53.0 / 55.1, T=4 127.4 /
+    # 135.2; Pro-TP8 T=1 32.2 / 33.5, T=4 62.4 / 65.9): not kept.
+    if fork == "front" and 0 < intermediate < 2048 and num_tokens == 3:
+        return "logits", (f"T = {num_tokens}, I = {intermediate}, shared expert forked after the front: its weights "
+                          f"prefetched during the router's top-k and alignment (measured faster on the H200)")
+    if fork is None:
+        return "off", "shared expert in line"
+    return "off", f"T = {num_tokens}, I = {intermediate}: not measured faster on the H200"
 
 
 @functools.lru_cache(maxsize=4096)  # pure; asked on every forward

@@ -145,18 +145,12 @@ SIDE_STREAM_PRIORITY = 0
 # Flash T = 1 the shared gate_up GEMV already spans the routed gate_up and its down the routed down
 # (session 32's timeline, timeline_layer_default_52f2c51.txt).
 SHARED_FORK = "auto"
-# L2 prefetch at decode (kernels/l2_prefetch.py), on a stream of the layer's own that joins
-# before the finalize; the outputs are the same bits with or without it (nothing is loaded into
-# registers or written). SHARED_L2_PREFETCH: the shared expert's four weight tensors fetched
-# "start" (before the router's logits launch: the DRAM is nearly idle during the router's
-# three small launches), "logits" (after the logits launch, on the quant_in_logits front;
-# after the front on the others) or "off". ROUTED_DOWN_L2_PREFETCH: the routed down weights of
-# the chosen experts fetched after the front, while the routed gate_up runs. Both only up to
-# L2_PREFETCH_MAX_TOKENS tokens. A/B switches (session 33).
-SHARED_L2_PREFETCH = "off"
-SHARED_L2_PREFETCH_POINTS = ("off", "start", "logits")
-ROUTED_DOWN_L2_PREFETCH = False
-L2_PREFETCH_MAX_TOKENS = 16
+# Where the shared expert's weights are prefetched into the L2 (kernels/l2_prefetch.py, on a
+# stream of the layer's own that joins before the finalize): "auto" (dispatch.shared_prefetch_policy),
+# "off", "start" (before the router's logits launch) or "logits" (after it, on the quant_in_logits
+# front; after the front on the others). Same bits with or without it. A/B switch (session 33;
+# dispatch.shared_prefetch_policy has the measurements).
+SHARED_L2_PREFETCH = "auto"
 
 
 class DeepseekV4MoE(_NativeBuffers):
@@ -315,37 +309,31 @@ class DeepseekV4MoE(_NativeBuffers):
                 forked.append(self.shared_experts.forward_quantised(q_, sa_, ctx))
 
         point = self._shared_fork(t) if side is not None else None
-        pf = self._prefetch_stream(x.device, t)
-        pf_shared = self._shared_prefetch_point(t) if pf is not None else "off"
+        pf_point = self._shared_prefetch_point(t) if x.device.type == "cuda" else "off"
+        pf = self._prefetch_stream(x.device) if pf_point != "off" else None
 
-        def prefetch(*tensors_or_experts):
-            """L2 prefetch on the layer's prefetch stream, ordered after the main stream's work so far."""
-            main_ = torch.cuda.current_stream(x.device)
-            pf.wait_stream(main_)
+        def prefetch():
+            """The shared expert's weights into the L2, on the prefetch stream, after the main stream's work so far."""
+            pf.wait_stream(torch.cuda.current_stream(x.device))
             with torch.cuda.stream(pf):
-                from .kernels import l2_prefetch as l2p
+                from .kernels.l2_prefetch import l2_prefetch
 
-                if len(tensors_or_experts) == 1:
-                    l2p.l2_prefetch(tensors_or_experts[0])
-                else:
-                    l2p.l2_prefetch_experts(*tensors_or_experts)
+                l2_prefetch(self.shared_experts.prefetch_tensors())
 
         def after_logits(*a):
-            if pf_shared == "logits":
-                prefetch(self.shared_experts.prefetch_tensors())
+            if pf_point == "logits":
+                prefetch()
             if point == "logits":
                 fork(*a)
 
-        if pf_shared == "start":
-            prefetch(self.shared_experts.prefetch_tensors())
-        topk_w, topk_ids, q, sa, q_pairs, align = dispatch.select("front", ctx).impl(
+        if pf_point == "start":
+            prefetch()
+        front = dispatch.select("front", ctx)
+        topk_w, topk_ids, q, sa, q_pairs, align = front.impl(
             ctx, x, self.router, input_ids, c.num_experts_per_tok, c.routed_scaling_factor, self.routed, pairs,
-            after_logits=after_logits if "logits" in (point, pf_shared) else None)
-        if pf_shared == "logits" and dispatch.select("front", ctx).name != "quant_in_logits":
-            prefetch(self.shared_experts.prefetch_tensors())  # no logits hook on this front: after it
-        if pf is not None and ROUTED_DOWN_L2_PREFETCH and routed.name == "triton":
-            r_ = self.routed
-            prefetch(r_.down, r_.down_scale, topk_ids, r_.first_expert)
+            after_logits=after_logits if "logits" in (point, pf_point) else None)
+        if pf_point == "logits" and front.name != "quant_in_logits":
+            prefetch()  # no logits hook on this front: right after it
         if point == "align" and align is None and routed.name == "triton":
             align = stages.routed_align(topk_w, topk_ids, self.routed)
         if side is None:
@@ -437,34 +425,40 @@ class DeepseekV4MoE(_NativeBuffers):
         return self._side_streams[key]
 
     def _shared_prefetch_point(self, num_tokens: int) -> str:
-        """Where the shared expert's weights are prefetched into the L2 at num_tokens tokens."""
-        if SHARED_L2_PREFETCH not in SHARED_L2_PREFETCH_POINTS:
-            raise ValueError(f"layers.SHARED_L2_PREFETCH={SHARED_L2_PREFETCH!r}: expected one of "
-                             f"{SHARED_L2_PREFETCH_POINTS}")
-        return SHARED_L2_PREFETCH if num_tokens <= L2_PREFETCH_MAX_TOKENS else "off"
+        """Where the shared expert's weights are prefetched into the L2 at num_tokens tokens:
+        "off", "start" or "logits" (layers.SHARED_L2_PREFETCH; "auto": the policy)."""
+        if SHARED_L2_PREFETCH == "auto":
+            if self.device.type != "cuda":
+                return "off"
+            side = self.shared_overlap(num_tokens)[0]
+            return dispatch.shared_prefetch_policy(num_tokens, self.config.local_intermediate(self.tp_size),
+                                                   self._shared_fork(num_tokens) if side else None)[0]
+        if SHARED_L2_PREFETCH not in dispatch.SHARED_PREFETCH_POINTS:
+            raise ValueError(f"layers.SHARED_L2_PREFETCH={SHARED_L2_PREFETCH!r}: expected 'auto' or one of "
+                             f"{dispatch.SHARED_PREFETCH_POINTS}")
+        return SHARED_L2_PREFETCH
 
-    def _prefetch_stream(self, device: torch.device, num_tokens: int):
-        """The L2-prefetch stream of `device` (None: no prefetch at this T, or not CUDA)."""
-        if (device.type != "cuda" or num_tokens > L2_PREFETCH_MAX_TOKENS
-                or (self._shared_prefetch_point(num_tokens) == "off" and not ROUTED_DOWN_L2_PREFETCH)):
-            return None
+    def _prefetch_stream(self, device: torch.device):
+        """The L2-prefetch stream of CUDA `device` (one per device, made on first use)."""
         idx = device.index if device.index is not None else torch.cuda.current_device()
         if idx not in self._prefetch_streams:
             self._prefetch_streams[idx] = torch.cuda.Stream(device=device)
         return self._prefetch_streams[idx]
 
     def _prefetch_line(self, num_tokens: int) -> str:
+        point = self._shared_prefetch_point(num_tokens)
         if self.device.type != "cuda":
-            return f"L2 prefetch: none (device {self.device.type})"
-        if num_tokens > L2_PREFETCH_MAX_TOKENS:
-            return f"L2 prefetch: none (T = {num_tokens} > layers.L2_PREFETCH_MAX_TOKENS = {L2_PREFETCH_MAX_TOKENS})"
-        where = {"off": "not prefetched", "start": "prefetched before the router's logits launch",
-                 "logits": "prefetched after the router's logits launch"}[self._shared_prefetch_point(num_tokens)]
-        down = ("the chosen experts' routed down weights prefetched after the front" if ROUTED_DOWN_L2_PREFETCH
-                else "routed down weights not prefetched")
-        return (f"L2 prefetch (kernels/l2_prefetch.py, own stream; layers.SHARED_L2_PREFETCH = "
-                f"{SHARED_L2_PREFETCH!r}, ROUTED_DOWN_L2_PREFETCH = {ROUTED_DOWN_L2_PREFETCH}): shared expert "
-                f"weights {where}; {down}")
+            point, why = "off", f"device {self.device.type}"
+        elif SHARED_L2_PREFETCH != "auto":
+            why = f"layers.SHARED_L2_PREFETCH = {SHARED_L2_PREFETCH!r}"
+        else:
+            side = self.shared_overlap(num_tokens)[0]
+            why = dispatch.shared_prefetch_policy(num_tokens, self.config.local_intermediate(self.tp_size),
+                                                  self._shared_fork(num_tokens) if side else None)[1]
+        where = {"off": "not prefetched into the L2",
+                 "start": "prefetched into the L2 before the router's logits launch (own stream)",
+                 "logits": "prefetched into the L2 after the router's logits launch (own stream)"}[point]
+        return f"shared expert weights {where} ({why})"
 
     def explain(self, num_tokens: int) -> str:
         c = self.config

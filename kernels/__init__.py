@@ -19,7 +19,6 @@ arguments and a private body (`_<op>.py`) with the @triton.jit kernels.
     finalize_shared_add  fused top-k reduce (ascending id) + shared add     finalize.py
     finalize_unfused     its bitwise two-kernel twin                        finalize.py
     l2_prefetch          L2 prefetch of weight bytes (decode, own stream)   l2_prefetch.py
-    l2_prefetch_experts  the same for the chosen experts' rows              l2_prefetch.py
     fhmoe_capability     AITER heterogeneous fused MoE: probe, prep, routes  aiter_fhmoe.py
                          (SPEC §5.3; pure parts only, the call is not written)
 """
@@ -40,7 +39,7 @@ _EXPORTS = {
     "select_config": "mxfp4_grouped_gemm", "split_parts": "mxfp4_grouped_gemm",
     "finalize_shared_add": "finalize", "finalize_unfused": "finalize", "finalize_partial": "finalize",
     "add_shared_round": "finalize",
-    "l2_prefetch": "l2_prefetch", "l2_prefetch_experts": "l2_prefetch",
+    "l2_prefetch": "l2_prefetch",
     "routed_experts_forward": "routed_experts", "routed_configs": "routed_experts",
     "fhmoe_capability": "aiter_fhmoe", "prepare_shared_expert": "aiter_fhmoe", "append_shared_route": "aiter_fhmoe",
 }

@@ -69,23 +69,3 @@ def _l2_prefetch_kernel(a0, n0, a1, n1, a2, n2, a3, n3,
     addr = tl.where(r == 0, a0, tl.where(r == 1, a1, tl.where(r == 2, a2, a3)))
     nbytes = tl.where(r == 0, n0, tl.where(r == 1, n1, tl.where(r == 2, n2, n3)))
     _prefetch_range(addr, nbytes, pid, nprog, MODE, EVICT_LAST, UNIT, BLOCK)
-
-
-@triton.jit
-def _l2_prefetch_experts_kernel(ids_ptr, num_ids, first_expert, num_local,
-                                wa, w_stride, w_bytes, sa, s_stride, s_bytes,
-                                MODE: tl.constexpr, EVICT_LAST: tl.constexpr, UNIT: tl.constexpr,
-                                BLOCK: tl.constexpr):
-    """Grid (P, num_ids, 2): route r's local expert e = ids[r] - first_expert; axis 2 picks
-    the weight (wa + e * w_stride, w_bytes) or its scales (sa + e * s_stride, s_bytes).
-    Routes to experts off this rank prefetch nothing. A later route to the same expert
-    prefetches the same lines again (harmless: they are in the L2 by then or in flight)."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    r = tl.program_id(1)
-    which = tl.program_id(2)
-    e = tl.load(ids_ptr + r).to(tl.int64) - first_expert
-    local = (e >= 0) & (e < num_local)
-    base = tl.where(which == 0, wa + e * w_stride, sa + e * s_stride)
-    nbytes = tl.where(local, tl.where(which == 0, w_bytes, s_bytes), 0)
-    _prefetch_range(base, nbytes, pid, nprog, MODE, EVICT_LAST, UNIT, BLOCK)

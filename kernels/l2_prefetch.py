@@ -1,9 +1,6 @@
 """L2 prefetch of weight bytes that a later kernel of the same forward reads (decode).
 
-    l2_prefetch(tensors)                    up to 4 contiguous CUDA tensors, whole
-    l2_prefetch_experts(weight, scale, topk_ids, first_expert)
-                                            the rows weight[e], scale[e] of every local
-                                            expert e in topk_ids (read on the device)
+    l2_prefetch(tensors)    up to 4 contiguous CUDA tensors, whole
     -> None; one launch on the current stream, nothing written
 
 Why: at decode the MoE layer's front (router logits, top-k, alignment: three small
@@ -11,9 +8,8 @@ dependent launches) leaves the DRAM nearly idle for several microseconds, while 
 shared expert's weights - which do not depend on the routing - are read later, beside the
 routed GEMMs, on the same DRAM. Prefetching them into the L2 on a stream of their own
 during the front moves those bytes into the idle time; the shared GEMMs then read the
-L2. Likewise the routed down weights of the chosen experts can be fetched while the
-routed gate_up runs. The layer decides where (`layers.SHARED_L2_PREFETCH`,
-`layers.ROUTED_DOWN_L2_PREFETCH`); this module only issues the prefetches.
+L2. The layer decides where (`layers.SHARED_L2_PREFETCH`, `dispatch.shared_prefetch_policy`:
+where it measured faster on the H200); this module only issues the prefetches.
 
 A prefetch changes no value anywhere (no register is loaded, nothing is stored), so the
 layer's outputs are the same bits with or without it; only the timing moves.
@@ -31,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["l2_prefetch", "l2_prefetch_experts", "MODES"]
+__all__ = ["l2_prefetch", "MODES"]
 
 MODES = ("line", "bulk")
 MODE = "line"        # A/B switch (scripts/gpu_profile_layer.py --ab dsv4_moe.kernels.l2_prefetch.MODE=line,bulk)
@@ -82,34 +78,3 @@ def l2_prefetch(tensors: Sequence[torch.Tensor], *, mode: str | None = None, evi
     with torch.cuda.device(tensors[0].device):
         _l2_prefetch_kernel[(progs, len(tensors))](*(v for r in ranges for v in r), MODE=code, EVICT_LAST=last,
                                                    UNIT=unit, BLOCK=_BLOCK, num_warps=4)
-
-
-def l2_prefetch_experts(weight: torch.Tensor, scale: torch.Tensor, topk_ids: torch.Tensor, first_expert: int = 0,
-                        *, mode: str | None = None, evict_last: bool | None = None,
-                        programs: int | None = None) -> None:
-    """Prefetch weight[e] and scale[e] (contiguous [E_local, ...] tensors) into the L2 for
-    every route's expert e = topk_ids - first_expert in 0..E_local-1 (others skipped). The
-    ids are read on the device: no host sync, CUDA-graph capturable."""
-    _check_cuda("weight", weight)
-    _check_cuda("scale", scale, weight.device)
-    _check_cuda("topk_ids", topk_ids, weight.device)
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"topk_ids.dtype={topk_ids.dtype}: expected torch.int32 or torch.int64")
-    if weight.dim() < 1 or scale.dim() < 1 or scale.shape[0] != weight.shape[0]:
-        raise ValueError(f"weight shape {tuple(weight.shape)} and scale shape {tuple(scale.shape)}: expected "
-                         f"[E_local, ...] each, with the same E_local")
-    if not isinstance(first_expert, int) or first_expert < 0:
-        raise ValueError(f"first_expert={first_expert!r}: expected an int >= 0")
-    code, last, unit, progs = _opts(mode, evict_last, programs)
-    routes = topk_ids.numel()
-    num_local = weight.shape[0]
-    if routes == 0 or num_local == 0:
-        return
-    from ._l2_prefetch import _l2_prefetch_experts_kernel
-
-    w_row = weight[0].numel() * weight.element_size()
-    s_row = scale[0].numel() * scale.element_size()
-    with torch.cuda.device(weight.device):
-        _l2_prefetch_experts_kernel[(progs, routes, 2)](
-            topk_ids, routes, first_expert, num_local, weight.data_ptr(), w_row, w_row, scale.data_ptr(), s_row,
-            s_row, MODE=code, EVICT_LAST=last, UNIT=unit, BLOCK=_BLOCK, num_warps=4)

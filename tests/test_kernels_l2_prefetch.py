@@ -6,7 +6,7 @@ form, so the kernels themselves only run on the GPU."""
 import pytest
 import torch
 
-from dsv4_moe import DeepseekV4MoE, MoEConfig, layers as layers_mod
+from dsv4_moe import DeepseekV4MoE, MoEConfig, dispatch, layers as layers_mod, reference
 from dsv4_moe.kernels import l2_prefetch as l2p
 from dsv4_moe.testing import assert_bitwise_equal, random_layer_weights
 
@@ -23,8 +23,6 @@ def test_cpu_tensor_is_refused():
     (lambda: l2p.l2_prefetch([]), "expected 1 to 4 tensors, got 0"),
     (lambda: l2p.l2_prefetch([torch.zeros(1)] * 5), "expected 1 to 4 tensors, got 5"),
     (lambda: l2p.l2_prefetch(["w"]), r"tensors\[0\]: expected a torch.Tensor, got str"),
-    (lambda: l2p.l2_prefetch_experts(torch.zeros(2, 4), torch.zeros(2), torch.zeros(1, dtype=torch.int32)),
-     "weight is on cpu"),
 ])
 def test_bad_arguments_are_named(bad, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -40,17 +38,28 @@ def test_bad_options_are_named(monkeypatch):
     assert l2p._opts("line", True, None) == (0, True, 128, l2p.PROGRAMS)
 
 
+def test_policy_prefetches_only_where_measured():
+    pol = dispatch.shared_prefetch_policy
+    assert pol(3, 384, "front")[0] == "logits" and "measured faster" in pol(3, 384, "front")[1]
+    # Flash-shaped, other T, other fork points, in line: off (measured level or slower)
+    assert [pol(t, i, f)[0] for t, i, f in [(3, 2048, "front"), (1, 384, "front"), (2, 384, "logits"),
+                                            (4, 384, "logits"), (16, 384, "front"), (3, 384, None)]] == ["off"] * 6
+    assert pol(3, 384, None)[1] == "shared expert in line"
+
+
 def test_layer_switch_is_checked_and_explained(monkeypatch):
     cfg = MoEConfig.tiny()
     layer = DeepseekV4MoE(cfg, random_layer_weights(cfg, layer_idx=1, seed=1))
-    assert "L2 prefetch: none (device cpu)" in layer.explain(1)
+    assert "shared expert weights not prefetched into the L2 (device cpu)" in layer.explain(3)
+    assert layer._shared_prefetch_point(3) == "off"  # "auto" on the CPU: never
     monkeypatch.setattr(layers_mod, "SHARED_L2_PREFETCH", "early")
-    with pytest.raises(ValueError, match=r"layers.SHARED_L2_PREFETCH='early': expected one of \('off', 'start'"):
+    with pytest.raises(ValueError, match=r"layers.SHARED_L2_PREFETCH='early': expected 'auto' or one of \('off'"):
         layer._shared_prefetch_point(1)
     monkeypatch.setattr(layers_mod, "SHARED_L2_PREFETCH", "start")
     assert layer._shared_prefetch_point(1) == "start"
-    assert layer._shared_prefetch_point(layers_mod.L2_PREFETCH_MAX_TOKENS + 1) == "off"
-    assert layer._prefetch_stream(torch.device("cpu"), 1) is None  # never on the CPU: the forward runs as before
+    assert "not prefetched into the L2 (device cpu)" in layer.explain(1)  # as the CPU forward does
+    x = torch.randn(2, cfg.hidden_size).bfloat16()
+    assert_bitwise_equal(layer(x), reference.moe_forward(x, None, layer.weights, cfg), "CPU forward, switch set")
 
 
 @gpu
@@ -64,14 +73,8 @@ def test_ranges_of_every_alignment_run_and_write_nothing(mode, evict_last):
     views = [buf[3:3 + 77], buf[129:129 + 300_001], buf[16:16 + 16], buf, buf[5:5]]
     l2p.l2_prefetch(views[:4], mode=mode, evict_last=evict_last)
     l2p.l2_prefetch(views[4:], mode=mode, evict_last=evict_last)
-    w = torch.randn(6, 33, 7, device=dev).bfloat16()  # 462-byte rows: experts start off 16-byte bounds
-    s = torch.randn(6, 5, device=dev)
-    ids = torch.tensor([[5, 0, 9, 3], [1, 2, 7, 4]], dtype=torch.int32, device=dev)  # 7, 9: not on this rank
-    w0, s0 = w.clone(), s.clone()
-    l2p.l2_prefetch_experts(w, s, ids, 1, mode=mode, evict_last=evict_last, programs=2)
-    l2p.l2_prefetch_experts(w, s, ids.long(), 0, mode=mode, evict_last=evict_last)
     torch.cuda.synchronize()
-    assert torch.equal(buf, keep) and torch.equal(w, w0) and torch.equal(s, s0)
+    assert torch.equal(buf, keep)
 
 
 @gpu
@@ -83,8 +86,8 @@ def test_layer_output_bits_unchanged(monkeypatch, point, t):
     x = torch.randn(t, cfg.hidden_size, device="cuda").bfloat16()
     base = layer(x)
     monkeypatch.setattr(layers_mod, "SHARED_L2_PREFETCH", point)
-    monkeypatch.setattr(layers_mod, "ROUTED_DOWN_L2_PREFETCH", True)
-    assert "prefetched" in layer.explain(t)
+    assert (f"prefetched into the L2 {'before' if point == 'start' else 'after'} the router's logits launch (own "
+            f"stream) (layers.SHARED_L2_PREFETCH = {point!r})") in layer.explain(t)
     assert_bitwise_equal(layer(x), base, "layer with the L2 prefetch", point=point, t=t)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
