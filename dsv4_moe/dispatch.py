@@ -266,9 +266,11 @@ def shared_prefetch_policy(num_tokens: int, intermediate: int, fork: "str | None
     # 123.5, T=6 164.2 / 162.6 / 161.8, T=8 203.7 / 205.5 / 205.2, T=16 342.4 / 344.7 / 344.1. The
     # layer bench (the method of record, --graph-chain; off / logits): Pro-TP8 T=1 30.9 / 30.9, T=2
     # 41.7 / 42.8, T=3 57.1 / 55.4; Flash T=3 105.7 / 106.0, T=4 122.7 / 123.7, T=6 160.6 / 162.6,
-    # T=8 202.8 / 204.8. The gain needs a shared expert that forks after the front (Pro-shaped T = 3):
+    # T=8 202.8 / 204.8; with this rule (3a078e8, two alternating runs, policy / off): Pro-TP8 T=3 54.9 /
+    # 57.3 and 54.9 / 57.2 (T = 1, 2, 4 unchanged, as the rule leaves them: 31.0-31.1, 42.0-42.3,
+    # 64.5-64.7). The gain needs a shared expert that forks after the front (Pro-shaped T = 3):
     # where it forks after the logits (T = 2, 4-8) its own GEMMs already read the DRAM during the
-    # front. At Flash T = 1 the timeline with the weights prefetched (timeline_layer_pf_start) shows
+    # front. At Flash T = 1 the timeline with the weights prefetched (timeline_layer_pf_start_0eb38cb.txt) shows
     # the shared gate_up GEMV no faster from the L2 (24.5 us beside the routed gate_up either way):
     # the decode GEMMs there wait on issue, not on the DRAM. Prefetching the chosen experts' routed
     # down weights after the front was slower at every T tried (Flash T=1 53.0 / 55.1, T=4 127.4 /

@@ -132,11 +132,13 @@ def test_cuda_options_follow_the_capability():
     assert pdl_options(dev) == ({"PDL": True, "launch_pdl": True} if ok else {})
 
 
-def test_unknown_env_value_is_an_error_not_a_default():
+def test_unknown_env_value_is_an_error_not_a_default(tmp_path):
     import subprocess
     import sys
     code = ("import torch; from dsv4_moe import dispatch; "
             "dispatch.has_pdl(torch.device('cuda', 0))")
+    # cwd elsewhere: run from a source checkout, `-c` would import its unmapped dsv4_moe/ folder
+    # (no weights/ subpackage) instead of the installed package
     r = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, "DSV4_MOE_PDL": "yes"},
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode != 0 and "DSV4_MOE_PDL='yes'" in r.stderr, r.stderr[-500:]
