@@ -32,7 +32,8 @@ DEV = torch.device("cuda")
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layout", default="nk", choices=("nk", "mma64"), help="routed weight byte order")
+    ap.add_argument("--layout", default="nk", choices=("nk", "mma64", "mma64e"),
+                    help="routed weight byte order (the layer takes 'mma64e' on CUDA)")
     ap.add_argument("--tokens", default="1", help="comma-separated T for the routed GEMMs")
     ap.add_argument("--routed-only", action="store_true")
     ap.add_argument("--shapes", default="flash_up,flash_down,pro_up", help="routed GEMM cases to run "
@@ -42,7 +43,7 @@ def main() -> None:
                          "register cap for short-K down), not select_config's alone")
     args = ap.parse_args()
     from dsv4_moe.kernels.routed_experts import routed_configs
-    from dsv4_moe.weights.mma_layout import to_mma64
+    from dsv4_moe.weights.mma_layout import to_mma64, to_mma64e
     from dsv4_moe.weights.tensors import RoutedExpertWeights
 
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -51,8 +52,8 @@ def main() -> None:
         if name not in args.shapes.split(","):
             continue
         w, s = random_mxfp4_weight((e, n, k), generator=g)
-        if args.layout == "mma64":
-            w = to_mma64(w)
+        if args.layout in ("mma64", "mma64e"):
+            w = (to_mma64 if args.layout == "mma64" else to_mma64e)(w)
         for t in [int(v) for v in args.tokens.split(",")]:
             ids = torch.stack([torch.randperm(e, device=DEV)[:6] for _ in range(t)]).sort(1).values.int()
             cfg = select_config(6 * t, e, n, k, args.layout)
