@@ -284,7 +284,7 @@ def _mxfp4_grouped_gemm_swap_kernel(
     FOLD_WAIT: tl.constexpr = True,  # folded: wait on each block's MMAs (GemmConfig.fold_order "wait"), else "split"
     N_FASTEST: tl.constexpr = False,  # grid (N blocks, M blocks, splits) instead of (M, N, splits)
     A_PAD: tl.constexpr = 1,  # the A row a padding row reads (_a_rows; mxfp4_grouped_gemm.A_PAD_ROWS)
-    ONE_DOT: tl.constexpr = False,  # folded "wait" on pairs: both halves as one K = 128 MMA chain (one wait)
+    ONE_CHAIN: tl.constexpr = False,  # folded "wait": both halves as one K = 128 MMA chain (GemmConfig.one_chain)
 ):
     """Swapped operands: out^T[n, rows] = W[n, k] . A^T[k, rows]. The dequantised weight
     tile is the MMA's first operand (kept in registers on Hopper: no shared-memory round
@@ -325,7 +325,7 @@ def _mxfp4_grouped_gemm_swap_kernel(
                a_ptr, sa_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, sorted_ids_ptr, block_expert_ptr, N, R,
                top_k, stride_am, stride_sam, stride_we, stride_wn, stride_swe, stride_swn, stride_om,
                A_GATHER, OUT_SCATTER, K, BLOCK_M, BLOCK_N, NUM_STAGES, KB_PER, SPLIT, SOFTWARE_BF16,
-               SELECT_SUBNORMAL, ASM, W_SWZ, W_ENC, A_BF16, DIAG, LOOP_UNROLL, FOLD_SA, FOLD_WAIT, A_PAD, ONE_DOT)
+               SELECT_SUBNORMAL, ASM, W_SWZ, W_ENC, A_BF16, DIAG, LOOP_UNROLL, FOLD_SA, FOLD_WAIT, A_PAD, ONE_CHAIN)
 
 
 @triton.jit
@@ -337,7 +337,7 @@ def _swap_item(pid_m, pid_n, pid_k,
                SOFTWARE_BF16: tl.constexpr, SELECT_SUBNORMAL: tl.constexpr, ASM: tl.constexpr,
                W_SWZ: tl.constexpr, W_ENC: tl.constexpr, A_BF16: tl.constexpr, DIAG: tl.constexpr,
                LOOP_UNROLL: tl.constexpr, FOLD_SA: tl.constexpr, FOLD_WAIT: tl.constexpr,
-               A_PAD: tl.constexpr, ONE_DOT: tl.constexpr = False):
+               A_PAD: tl.constexpr, ONE_CHAIN: tl.constexpr = False):
     """One item of the swap kernel: rows of M-block pid_m x weight rows of N-block pid_n over
     split pid_k's K blocks (the kernel's whole body before session 30)."""
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -392,7 +392,7 @@ def _swap_item(pid_m, pid_n, pid_k,
                              other=0.0)
             a_odd = tl.load(a_ptrs + k0 + 64, mask=(kb < K // 128) & (kh < 64)[None, :] & (row_ok[:, None] | (A_PAD != 2)),
                             other=0.0)
-        elif A_BF16 and A_PAD == 2 and ONE_DOT and FOLD_SA and FOLD_WAIT and not SOFTWARE_BF16:
+        elif A_BF16 and A_PAD == 2 and ONE_CHAIN and FOLD_SA and FOLD_WAIT and not SOFTWARE_BF16:
             # the pairs row of a 128-block is [64 even | 64 odd]: the one-chain operand as stored
             a_cat = tl.load(a_ptr + arow[:, None] * stride_am + (k0 + kk)[None, :], mask=row_ok[:, None], other=0.0)
             a_even = a_cat  # unused on this path (the names must exist for the branches below)
@@ -443,7 +443,7 @@ def _swap_item(pid_m, pid_n, pid_k,
         if FOLD_SA and SOFTWARE_BF16:
             acc = tl.dot(w_lo, tl.trans(a_even.to(tl.float32)), acc, input_precision="ieee")
             acc = tl.dot(w_hi, tl.trans(a_odd.to(tl.float32)), acc, input_precision="ieee")
-        elif FOLD_SA and ONE_DOT and FOLD_WAIT:
+        elif FOLD_SA and ONE_CHAIN and FOLD_WAIT:
             # [lo | hi] along K, the MMA chain's order of the two dots below: the same adds, one wait
             w_cat = tl.reshape(tl.permute(tl.join(w_lo.to(tl.bfloat16), w_hi.to(tl.bfloat16)), (0, 2, 1)),
                                (BLOCK_N, 128))

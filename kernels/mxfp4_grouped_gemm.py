@@ -52,20 +52,6 @@ from .moe_align import MoeAlignment
 # same few L2 lines, and the speed hung on where that buffer sat in memory (two captures of
 # one forward 8-11 % apart, gpu_probe_capture_spread.py).
 A_PAD_ROWS = 2
-# The folded "wait" swap body runs each 128-block's two K = 64 halves as one K = 128 MMA chain
-# ([lo | hi] along K, the order the two chained dots had: the same adds) with one wgmma wait per
-# block instead of two; on bf16 pairs it loads the 128-block's operand as stored ([64 even | 64 odd]).
-# sm_90a SASS (scripts/sass_wgmma_hazard.py): no hazard, Flash T = 1 gate_up loop 340 -> 336
-# instructions, 130 -> 119 registers. Only on 16-row blocks without a register cap below 112: on
-# 64-row blocks it spills (Flash T = 2048 gate_up: 40 bytes of stack at the 168 cap), and on the
-# Pro-TP8 down's 64-register cap (T = 4-511) too. A/B switch (session 33).
-ONE_DOT = False
-
-
-def one_dot(cfg: "GemmConfig") -> bool:
-    """Whether the swap launch of `cfg` takes the one-chain body (ONE_DOT and its shapes)."""
-    return (ONE_DOT and cfg.kind == "swap" and cfg.fold_sa and cfg.fold_order == "wait" and cfg.block_m == 16
-            and (cfg.maxnreg is None or cfg.maxnreg >= 112))
 # Exact split-K ways of the decode swap GEMMs with 2048 <= K < 4096 (the Flash-shaped down)
 # below SHORT_K_DECODE_SPLIT_MAX_ROWS rows per expert (K >= 4096 splits 4 ways below 0.05 rows,
 # K >= 6144 8 ways below 0.1; see _select_mma64). A/B switches (bench --set).
@@ -168,6 +154,11 @@ class GemmConfig:
     # walks the M-blocks first. Same programs, same bits. routed_configs sets it on the unsplit
     # 32/64-row swap GEMMs (session 19: Flash layer T = 8192 1.10x; see routed_experts._n_fastest).
     n_fastest: bool = False
+    # "swap", folded "wait" (session 33): each 128-block's two K = 64 halves as one K = 128 MMA
+    # chain ([lo | hi] along K: the order of the two chained MMAs it replaces, so the same adds and
+    # the same bits) with one wgmma wait per block instead of two; on bf16 pairs the block's operand
+    # loads as stored. routed_experts.routed_configs sets it where the H200 measured it faster.
+    one_chain: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("tile", "swap", "gemv"):
@@ -179,6 +170,9 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.block_m={self.block_m}: expected 16, 32, 64, 128 or 256")
         if self.block_n not in (16, 32, 64, 128, 256):
             raise ValueError(f"GemmConfig.block_n={self.block_n}: expected 16, 32, 64, 128 or 256")
+        if self.one_chain and not (self.kind == "swap" and self.fold_sa and self.fold_order == "wait"):
+            raise ValueError(f"GemmConfig.one_chain=True needs kind 'swap' with fold_sa=True and fold_order 'wait', "
+                             f"got kind={self.kind!r}, fold_sa={self.fold_sa}, fold_order={self.fold_order!r}")
         if self.a_bf16 and self.kind == "gemv":
             raise ValueError(f"GemmConfig.a_bf16=True needs kind 'swap' or 'tile', got kind={self.kind!r}")
         if self.maxnreg is not None and (not isinstance(self.maxnreg, int) or not 24 <= self.maxnreg <= 255):
@@ -463,7 +457,7 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
         _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, W_SWZ=swz, W_ENC=enc, A_BF16=cfg.a_bf16,
                                               DIAG=cfg.diag, LOOP_UNROLL=cfg.unroll, FOLD_SA=cfg.fold_sa,
                                               FOLD_WAIT=cfg.fold_order == "wait", N_FASTEST=cfg.n_fastest,
-                                              A_PAD=A_PAD_ROWS, ONE_DOT=one_dot(cfg), **common)
+                                              A_PAD=A_PAD_ROWS, ONE_CHAIN=cfg.one_chain, **common)
     else:
         _mxfp4_gemv_kernel[grid](*args, UNROLL=cfg.unroll, **common)
     if split and not reduce:

@@ -317,9 +317,32 @@ def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str
             down = dataclasses.replace(down, unroll=1)
     if layout == "mma64e":
         up, down = _mma64e_configs(up, down, i, num_routes / max(num_local, 1))
+        up, down = _one_chain(up, num_routes, num_local), _one_chain(down, num_routes, num_local)
     if n_fastest:
         up, down = _n_fastest(up, num_routes, num_local), _n_fastest(down, num_routes, num_local)
     return up, down
+
+
+# Rows per local expert from which the folded 16-row swap GEMMs run each 128-block as one MMA
+# chain (GemmConfig.one_chain: one wgmma wait per block instead of two; same bits). A/B switch
+# (a large value turns it off). NOTE (session 33, H200, docs/bench/2026-11-30/session33/, every
+# output bitwise the two-chain body's): gpu_profile_layer.py --ab (12 forwards per graph, 3
+# captures, us, two chains / one) Flash T=1 52.9 / 54.6, T=2 75.6 / 77.6, T=4 127.7 / 123.8, T=16
+# 342.5 / 333.4; Pro-TP8 T=1 32.3 / 34.2, T=2 43.0 / 43.5, T=4 62.8 / 62.3, T=16 144.6 / 143.2. The
+# layer bench (--graph-chain) on every 16-row GEMM: Flash T=1 55.0 / 59.7, T=2 73.8 / 75.7, T=4
+# 122.2 / 118.3, T=16 343.9 / 332.4; Pro-TP8 T=1 31.0 / 33.0, T=2 41.7 / 41.7, T=4 64.1 / 63.9, T=16
+# 141.3 / 140.4. So from Flash T = 4 (0.09 rows) and Pro-TP8 T = 16 (0.25), never on a split-K
+# GEMM (the T = 1 ones) nor under a register cap below 112 (it spills there: the Pro-TP8 down's 64).
+ONE_CHAIN_MIN_ROWS = 0.08
+
+
+def _one_chain(cfg: GemmConfig, num_routes: int, num_local: int) -> GemmConfig:
+    """cfg as one MMA chain per 128-block where that measured faster (ONE_CHAIN_MIN_ROWS)."""
+    if (cfg.kind == "swap" and cfg.fold_sa and cfg.fold_order == "wait" and cfg.block_m == 16 and cfg.split_k == 1
+            and (cfg.maxnreg is None or cfg.maxnreg >= 112)
+            and num_routes / max(num_local, 1) >= ONE_CHAIN_MIN_ROWS):
+        return dataclasses.replace(cfg, one_chain=True)
+    return cfg
 
 
 def _mma64e_configs(up: GemmConfig, down: GemmConfig, i: int, rows: float = 0.0) -> tuple[GemmConfig, GemmConfig]:

@@ -500,11 +500,11 @@ def test_mma64e_layout_roundtrip_and_guards():
         changed = 0
         for t in (1, 4, 16, 64, 256, 1024, 2048, 8192):
             c64, c64e = routed_configs(t * 6, r64), routed_configs(t * 6, r64e)
-            if i >= 2048:
-                assert c64e == c64, t
+            if i >= 2048:  # one MMA chain per block (session 33): the same adds in the same order
+                assert [dataclasses.replace(c, one_chain=False) for c in c64e] == list(c64), t
             else:
-                def bits(c):  # a cap, the ordering, the N split: none changes a sum's order
-                    return dataclasses.replace(c, maxnreg=None, fold_order="wait", block_n=128)
+                def bits(c):  # a cap, the ordering, the N split, one chain: none changes a sum's order
+                    return dataclasses.replace(c, maxnreg=None, fold_order="wait", block_n=128, one_chain=False)
                 assert [bits(c) for c in c64e] == [bits(c) for c in c64], t
                 changed += c64e != c64
         assert i >= 2048 or changed >= 4   # Pro-TP8 T = 1..256 (16-row blocks): "split" -> "wait", gate_up capped
@@ -1188,4 +1188,36 @@ def test_session23_config_switches(monkeypatch, name, value, check):
         assert check(fl, pro), name
     finally:
         monkeypatch.undo()
+        rx._routed_configs.cache_clear()
+
+
+def test_one_chain_rule_and_guard():
+    """GemmConfig.one_chain (one MMA chain per 128-block): only on folded "wait" swap configs, set by
+    routed_configs on the unsplit, uncapped-or->=112 16-row decode GEMMs from ONE_CHAIN_MIN_ROWS."""
+    from dsv4_moe.kernels import routed_experts as rx
+    from dsv4_moe.kernels.mxfp4_grouped_gemm import GemmConfig
+    from dsv4_moe.weights.tensors import RoutedExpertWeights
+    with pytest.raises(ValueError, match="one_chain=True needs kind 'swap' with fold_sa=True"):
+        GemmConfig(16, 128, kind="swap", one_chain=True)
+    with pytest.raises(ValueError, match="one_chain=True needs kind 'swap'"):
+        GemmConfig(64, 128, kind="tile", fold_sa=True, one_chain=True)
+    u8, e8 = torch.empty(1, dtype=torch.uint8), torch.empty(1, dtype=torch.float8_e8m0fnu)
+    flash = RoutedExpertWeights(u8.expand(256, 4096, 2048), e8.expand(256, 4096, 128), u8.expand(256, 4096, 1024),
+                                e8.expand(256, 4096, 64), 0, 256, "mma64e")
+    pro = RoutedExpertWeights(u8.expand(384, 768, 3584), e8.expand(384, 768, 224), u8.expand(384, 7168, 192),
+                              e8.expand(384, 7168, 12), 0, 384, "mma64e")
+    chains = {(n, t): [c.one_chain for c in rx.routed_configs(6 * t, r)]
+              for n, r in (("flash", flash), ("pro", pro)) for t in (1, 2, 4, 16, 2048)}
+    assert chains[("flash", 1)] == [False, False]    # split-K: measured slower
+    assert chains[("flash", 2)] == [False, False]    # 0.047 rows: below the threshold
+    assert chains[("flash", 4)] == [True, True] and chains[("flash", 16)] == [True, True]
+    assert chains[("pro", 4)] == [False, False]      # split-K gate_up, 64-register down
+    assert chains[("pro", 16)] == [True, False]      # the down's 64-register cap would spill
+    assert chains[("flash", 2048)] == [False, False] and chains[("pro", 2048)] == [False, False]  # 64/32-row blocks
+    try:
+        rx.ONE_CHAIN_MIN_ROWS = float("inf")
+        rx._routed_configs.cache_clear()
+        assert not any(c.one_chain for c in rx.routed_configs(6 * 16, flash))
+    finally:
+        rx.ONE_CHAIN_MIN_ROWS = 0.08
         rx._routed_configs.cache_clear()
