@@ -444,7 +444,10 @@ def _swap_item(pid_m, pid_n, pid_k,
             acc = tl.dot(w_lo, tl.trans(a_even.to(tl.float32)), acc, input_precision="ieee")
             acc = tl.dot(w_hi, tl.trans(a_odd.to(tl.float32)), acc, input_precision="ieee")
         elif FOLD_SA and ONE_CHAIN and FOLD_WAIT:
-            # [lo | hi] along K, the MMA chain's order of the two dots below: the same adds, one wait
+            # [lo | hi] along K: the 16 HGMMAs of the two dots below in their order (the same adds,
+            # the same bits), with one wgmma wait per block instead of two - Triton waits after a
+            # dot whose accumulator the next dot reads. sm_90a: Flash T = 1 gate_up 130 -> 119
+            # registers, no hazard (scripts/sass_wgmma_hazard.py); H200 timings: routed_experts.ONE_CHAIN_MIN_ROWS
             w_cat = tl.reshape(tl.permute(tl.join(w_lo.to(tl.bfloat16), w_hi.to(tl.bfloat16)), (0, 2, 1)),
                                (BLOCK_N, 128))
             if not (A_BF16 and A_PAD == 2 and not K_MASKED):  # else a_cat was loaded as stored

@@ -6,7 +6,10 @@
 
 With --layer-configs the routed GEMMs take the layer's configs (`routed_configs`); stall
 reasons per issued instruction come with
-`--metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio`.
+`--metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio`. The layer's own
+weights on CUDA are "mma64e" (`--layout mma64e`; session 33's T = 1 / 16 profile:
+`--layout mma64e --tokens 1 --routed-only --layer-configs --shapes flash_up,flash_down,pro_up`,
+BENCHMARKS.md session 33 item 5).
 
 Runs each case twice (the first launch compiles; profile either): the routed MXFP4 GEMM with
 the default config at T = 1 (Flash gate_up and down, Pro-TP8 gate_up; top-6 routes), the
