@@ -252,6 +252,7 @@ def shared_fork_policy(num_tokens: int, intermediate: int) -> tuple[str, str]:
 SHARED_PREFETCH_POINTS = ("off", "start", "logits")
 
 
+@functools.lru_cache(maxsize=4096)  # pure; asked on every forward
 def shared_prefetch_policy(num_tokens: int, intermediate: int, fork: "str | None") -> tuple[str, str]:
     """(point, reason): whether and where a decode forward prefetches the shared expert's weights
     into the L2 (`layers.SHARED_L2_PREFETCH` "auto"; kernels/l2_prefetch.py): "off", "start"
