@@ -9,7 +9,7 @@ reasons per issued instruction come with
 `--metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio`. The layer's own
 weights on CUDA are "mma64e" (`--layout mma64e`; session 33's T = 1 / 16 profile:
 `--layout mma64e --tokens 1 --routed-only --layer-configs --shapes flash_up,flash_down,pro_up`,
-BENCHMARKS.md session 33 item 5).
+BENCHMARKS.md session 33 item 5; `--one-chain` forces one MMA chain per block, session 34's A/B).
 
 Runs each case twice (the first launch compiles; profile either): the routed MXFP4 GEMM with
 the default config at T = 1 (Flash gate_up and down, Pro-TP8 gate_up; top-6 routes), the
@@ -20,6 +20,7 @@ I = 2048 (fused). The ncu report says whether a kernel is issue-, latency- or me
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -44,6 +45,9 @@ def main() -> None:
     ap.add_argument("--layer-configs", action="store_true",
                     help="the configs the layer uses (routed_configs: bf16 activation pairs for gate_up, the "
                          "register cap for short-K down), not select_config's alone")
+    ap.add_argument("--one-chain", action="store_true",
+                    help="force GemmConfig.one_chain on every folded 'wait' swap config, split-K ones included "
+                         "(session 33's lead 3: why one chain per block is slower at T = 1)")
     args = ap.parse_args()
     from dsv4_moe.kernels.routed_experts import routed_configs
     from dsv4_moe.weights.mma_layout import to_mma64, to_mma64e
@@ -66,6 +70,8 @@ def main() -> None:
                                            torch.empty(e, h, i // 2, device="meta"), torch.empty(0, device="meta"),
                                            0, e, args.layout)
                 cfg = routed_configs(6 * t, meta)[0 if gather else 1]
+            if args.one_chain and cfg.kind == "swap" and cfg.fold_sa and cfg.fold_order == "wait":
+                cfg = dataclasses.replace(cfg, one_chain=True)
             a = moe_align(ids, e, 0, cfg.block_m)
             rows = t if gather else a.max_rows
             q, sa = act_quant(torch.randn(rows, k, device=DEV).bfloat16())
