@@ -21,6 +21,9 @@ writes the HGMMA's A or accumulator registers is a hazard.
                                                       # loaded (the encoding is per aligned word)
     python scripts/sass_wgmma_hazard.py --variants    # folded / per-block swap variants (sessions 16-17)
     python scripts/sass_wgmma_hazard.py --self-test   # the check still finds session 15's hazard
+    python scripts/sass_wgmma_hazard.py --compare-ptxas /usr/local/cuda/bin/ptxas
+                                                      # each config's PTX assembled by both ptxas (same
+                                                      # flags): identical SASS? hazards with the other?
     python scripts/sass_wgmma_hazard.py --layout mma64 --count
                                                       # the configs on "mma64" weights (the same-bits A/B
                                                       # twin), with per-opcode SASS counts
@@ -142,6 +145,41 @@ def compile_swap(consts: dict, num_warps: int = 4, maxnreg: int | None = None, k
     return sass, (int(regs.group(1)) if regs else -1), (int(stack.group(1)) if stack else -1)
 
 
+def assemble(ptx: str, ptxas: str, maxnreg: int | None = None) -> tuple[list[tuple[int, str]], int]:
+    """`ptx` assembled for sm_90a by `ptxas` -> ([(address, instruction)], registers per thread)."""
+    with tempfile.TemporaryDirectory() as d:
+        src, cub = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+        open(src, "w").write(ptx)
+        cmd = [ptxas, "-arch=sm_90a", "-v", "-o", cub, src] + ([f"--maxrregcount={maxnreg}"] if maxnreg else [])
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode:
+            raise RuntimeError(f"{ptxas} failed ({res.returncode}): {res.stderr[-400:]}")
+        regs = re.search(r"Used (\d+) registers", res.stderr)
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", cub], capture_output=True, text=True, check=True).stdout
+    return parse_sass(sass), (int(regs.group(1)) if regs else -1)
+
+
+def compare_ptxas(ptx: str, other: str, maxnreg: int | None = None) -> str:
+    """One line: the same PTX assembled by Triton's ptxas and by `other` (same flags)."""
+    mine, r_mine = assemble(ptx, ptxas_path(), maxnreg)
+    theirs, r_theirs = assemble(ptx, other, maxnreg)
+    return describe_difference(mine, theirs, r_mine, r_theirs, ".".join(map(str, ptxas_version(other))))
+
+
+def describe_difference(mine, theirs, r_mine: int, r_theirs: int, version: str) -> str:
+    """How two assemblies of one PTX differ: the same SASS; the same instructions in the same
+    order with only `.reuse` operand-cache flags moved; or really different code."""
+    if [i for _, i in mine] == [i for _, i in theirs]:
+        return f"same SASS with ptxas {version} ({len(mine)} instructions)"
+    if len(mine) == len(theirs):
+        differ = [(a, b) for (_, a), (_, b) in zip(mine, theirs) if a != b]
+        if all(a.replace(".reuse", "") == b.replace(".reuse", "") for a, b in differ):
+            return (f"same instructions with ptxas {version} ({len(mine)}); {len(differ)} differ only in "
+                    f".reuse operand-cache flags")
+    return (f"SASS differs with ptxas {version}: {len(mine)} -> {len(theirs)} "
+            f"instructions, {r_mine} -> {r_theirs} registers, {len(hazards(theirs))} hazards there")
+
+
 def enc_word_sources(ptx: str) -> tuple[int, int]:
     """("mma64e") (asm input words, of them registers straight from a 16-byte vector load).
     The layout encodes aligned 4-byte words of the stored tensor; the conversion PTX is only
@@ -258,7 +296,12 @@ def main():
                     help="the weights' byte order the bodies are compiled for (and routed_configs picks "
                          "for; default: 'mma64e', what the layer takes on CUDA)")
     ap.add_argument("--count", action="store_true", help="print static SASS counts per opcode")
+    ap.add_argument("--compare-ptxas", metavar="PTXAS", default="",
+                    help="also assemble each config's PTX with this ptxas (e.g. a CUDA 13 toolkit's) and say "
+                         "whether the SASS is the same (session 34: 13.0 gives the same SASS as Triton's 12.8)")
     args = ap.parse_args()
+    if args.compare_ptxas and not os.access(args.compare_ptxas, os.X_OK):
+        sys.exit(f"sass_wgmma_hazard: --compare-ptxas={args.compare_ptxas!r}: not an executable file")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("sass_wgmma_hazard: unset TRITON_INTERPRET (the interpreter compiles nothing)")
     path = ptxas_path()
@@ -286,6 +329,8 @@ def main():
               + (f", {words[1]}/{words[0]} asm words as loaded" if words is not None else ""))
         if args.count:
             print("    " + " ".join(f"{op} {n}" for op, n in counts.items()))
+        if args.compare_ptxas:
+            print("    " + compare_ptxas(compile_swap.last_ptx, args.compare_ptxas, cfg.maxnreg))
         for h in found[:args.show]:
             print(f"    {h}")
     if args.self_test:

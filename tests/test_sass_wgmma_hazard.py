@@ -92,3 +92,21 @@ def test_mma64e_bodies_hazard_free_and_read_stored_words():
     for ln in rows:
         got, total = ln.rsplit(", ", 1)[1].split()[0].split("/")
         assert got == total and int(total) > 0, ln
+
+
+def test_describe_difference_between_two_assemblies():
+    """--compare-ptxas's verdict: identical code, code equal but for `.reuse` operand-cache
+    flags (session 34: CUDA 13.0's ptxas against Triton's 12.8), or really different code."""
+    a = [(0, "PRMT R124, R43, 0x7770, RZ"), (16, "HMUL2.BF16_V2 R4, R4, R9"), (32, "EXIT")]
+    reuse = [(0, "PRMT R124, R43.reuse, 0x7770, RZ"), (16, "HMUL2.BF16_V2 R4, R4, R9"), (32, "EXIT")]
+    other = [(0, "PRMT R124, R43, 0x7771, RZ"), (16, "HMUL2.BF16_V2 R4, R4, R9"), (32, "EXIT")]
+    assert H.describe_difference(a, list(a), 40, 40, "13.0") == "same SASS with ptxas 13.0 (3 instructions)"
+    assert "1 differ only in .reuse" in H.describe_difference(a, reuse, 40, 40, "13.0")
+    got = H.describe_difference(a, other, 40, 42, "13.0")
+    assert got.startswith("SASS differs") and "40 -> 42 registers" in got and "0 hazards" in got, got
+    assert H.describe_difference(a, a[:2], 40, 40, "13.0").startswith("SASS differs")
+
+
+def test_compare_ptxas_needs_an_executable():
+    r = _run("--compare-ptxas", "/nonexistent/ptxas")
+    assert r.returncode != 0 and "--compare-ptxas='/nonexistent/ptxas'" in r.stderr, r.stdout + r.stderr
