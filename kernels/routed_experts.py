@@ -317,7 +317,7 @@ def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str
             down = dataclasses.replace(down, unroll=1)
     if layout == "mma64e":
         up, down = _mma64e_configs(up, down, i, num_routes / max(num_local, 1))
-        up, down = _one_chain(up, num_routes, num_local), _one_chain(down, num_routes, num_local)
+        up, down = _one_chain(up, num_routes, num_local, "gate_up"), _one_chain(down, num_routes, num_local, "down")
     if n_fastest:
         up, down = _n_fastest(up, num_routes, num_local), _n_fastest(down, num_routes, num_local)
     return up, down
@@ -334,13 +334,24 @@ def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str
 # 141.3 / 140.4. So from Flash T = 4 (0.09 rows) and Pro-TP8 T = 16 (0.25), never on a split-K
 # GEMM (the T = 1 ones) nor under a register cap below 112 (it spills there: the Pro-TP8 down's 64).
 ONE_CHAIN_MIN_ROWS = 0.08
+# Which split-K GEMMs (the T = 1 ones) also take one chain: "off", "gate_up", "down" or "both".
+# A/B switch for session 33's lead 3 (the T = 1 loss): "off" is what measured fastest.
+ONE_CHAIN_SPLIT_K = "off"
+_ONE_CHAIN_SPLIT_K = ("off", "gate_up", "down", "both")
 
 
-def _one_chain(cfg: GemmConfig, num_routes: int, num_local: int) -> GemmConfig:
-    """cfg as one MMA chain per 128-block where that measured faster (ONE_CHAIN_MIN_ROWS)."""
-    if (cfg.kind == "swap" and cfg.fold_sa and cfg.fold_order == "wait" and cfg.block_m == 16 and cfg.split_k == 1
-            and (cfg.maxnreg is None or cfg.maxnreg >= 112)
-            and num_routes / max(num_local, 1) >= ONE_CHAIN_MIN_ROWS):
+def _one_chain(cfg: GemmConfig, num_routes: int, num_local: int, gemm: str = "gate_up") -> GemmConfig:
+    """cfg as one MMA chain per 128-block where that measured faster (unsplit GEMMs from
+    ONE_CHAIN_MIN_ROWS; split-K ones where ONE_CHAIN_SPLIT_K names them). `gemm`: "gate_up" / "down"."""
+    if ONE_CHAIN_SPLIT_K not in _ONE_CHAIN_SPLIT_K:
+        raise ValueError(f"routed_experts.ONE_CHAIN_SPLIT_K={ONE_CHAIN_SPLIT_K!r}: expected one of "
+                         f"{', '.join(map(repr, _ONE_CHAIN_SPLIT_K))}")
+    if cfg.split_k > 1:  # split-K: only where the switch names this GEMM, at any row count
+        wanted = ONE_CHAIN_SPLIT_K in (gemm, "both")
+    else:
+        wanted = num_routes / max(num_local, 1) >= ONE_CHAIN_MIN_ROWS
+    if (wanted and cfg.kind == "swap" and cfg.fold_sa and cfg.fold_order == "wait" and cfg.block_m == 16
+            and (cfg.maxnreg is None or cfg.maxnreg >= 112)):
         return dataclasses.replace(cfg, one_chain=True)
     return cfg
 

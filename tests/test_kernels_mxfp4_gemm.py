@@ -1221,3 +1221,18 @@ def test_one_chain_rule_and_guard():
     finally:
         rx.ONE_CHAIN_MIN_ROWS = 0.08
         rx._routed_configs.cache_clear()
+    # the split-K A/B switch (session 34): the T = 1 GEMMs by name; an unknown value is an error
+    try:
+        for value, want in (("gate_up", [True, False]), ("down", [False, True]), ("both", [True, True])):
+            rx.ONE_CHAIN_SPLIT_K = value
+            rx._routed_configs.cache_clear()
+            up, down = rx.routed_configs(6, flash)
+            assert up.split_k > 1 and down.split_k > 1 and [up.one_chain, down.one_chain] == want, value
+        assert [c.one_chain for c in rx.routed_configs(6 * 16, flash)] == [True, True]  # unsplit: unchanged
+        rx.ONE_CHAIN_SPLIT_K = "gateup"
+        rx._routed_configs.cache_clear()
+        with pytest.raises(ValueError, match="ONE_CHAIN_SPLIT_K='gateup': expected one of 'off', 'gate_up'"):
+            rx.routed_configs(6, flash)
+    finally:
+        rx.ONE_CHAIN_SPLIT_K = "off"
+        rx._routed_configs.cache_clear()
