@@ -320,7 +320,50 @@ def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str
         up, down = _one_chain(up, num_routes, num_local, "gate_up"), _one_chain(down, num_routes, num_local, "down")
     if n_fastest:
         up, down = _n_fastest(up, num_routes, num_local), _n_fastest(down, num_routes, num_local)
+    if CONFIG_OVERRIDE:
+        up, down = _override(up, "gate_up"), _override(down, "down")
     return up, down
+
+
+# A/B probe switch (session 34): fields of the chosen GemmConfigs replaced at every size, e.g.
+# "gate_up:one_chain=1,num_stages=6;down:block_n=128" (set through the benches' --set). Empty: the
+# rules above alone. block_m and kind are not overridable (both GEMMs share one alignment).
+CONFIG_OVERRIDE = ""
+
+
+def _override(cfg: GemmConfig, gemm: str) -> GemmConfig:
+    """cfg with the fields CONFIG_OVERRIDE gives for `gemm` ("gate_up" / "down") replaced."""
+    fields = {f.name: f for f in dataclasses.fields(GemmConfig)}
+    changes = {}
+    for part in filter(None, (p.strip() for p in CONFIG_OVERRIDE.split(";"))):
+        name, sep, items = part.partition(":")
+        if not sep or name.strip() not in ("gate_up", "down"):
+            raise ValueError(f"routed_experts.CONFIG_OVERRIDE={CONFIG_OVERRIDE!r}: {part!r} should read "
+                             f"'gate_up:FIELD=VALUE,...' or 'down:FIELD=VALUE,...'")
+        for item in filter(None, (i.strip() for i in items.split(","))):
+            key, eq, value = (x.strip() for x in item.partition("="))
+            if not eq or key not in fields or key in ("block_m", "kind"):
+                raise ValueError(f"routed_experts.CONFIG_OVERRIDE={CONFIG_OVERRIDE!r}: {item!r} should be FIELD=VALUE "
+                                 f"with FIELD a GemmConfig field other than block_m / kind")
+            if name.strip() == gemm:
+                changes[key] = _field_value(key, value, getattr(cfg, key))
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+def _field_value(key: str, value: str, current):
+    """VALUE parsed as GemmConfig field `key`'s type (bool 0/1/true/false, int, str; "none" for None)."""
+    if value.lower() == "none" and key == "maxnreg":
+        return None
+    if isinstance(current, bool):
+        if value.lower() not in ("0", "1", "true", "false"):
+            raise ValueError(f"routed_experts.CONFIG_OVERRIDE: {key}={value!r}: expected 0/1/true/false")
+        return value.lower() in ("1", "true")
+    if isinstance(current, int) or key == "maxnreg":
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"routed_experts.CONFIG_OVERRIDE: {key}={value!r}: expected an int") from None
+    return value
 
 
 # Rows per local expert from which the folded 16-row swap GEMMs run each 128-block as one MMA

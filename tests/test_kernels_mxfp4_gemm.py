@@ -1236,3 +1236,37 @@ def test_one_chain_rule_and_guard():
     finally:
         rx.ONE_CHAIN_SPLIT_K = "off"
         rx._routed_configs.cache_clear()
+
+
+def test_config_override_switch():
+    """routed_experts.CONFIG_OVERRIDE (an A/B probe switch): named fields of the chosen gate_up / down
+    configs replaced, typed as the field; malformed text, unknown fields and block_m / kind are errors."""
+    from dsv4_moe.kernels import routed_experts as rx
+    from dsv4_moe.weights.tensors import RoutedExpertWeights
+    u8, e8 = torch.empty(1, dtype=torch.uint8), torch.empty(1, dtype=torch.float8_e8m0fnu)
+    flash = RoutedExpertWeights(u8.expand(256, 4096, 2048), e8.expand(256, 4096, 128), u8.expand(256, 4096, 1024),
+                                e8.expand(256, 4096, 64), 0, 256, "mma64e")
+    base_up, base_down = rx.routed_configs(6, flash)
+    try:
+        rx.CONFIG_OVERRIDE = "gate_up: one_chain=1, num_stages=6 ; down:maxnreg=96"
+        rx._routed_configs.cache_clear()
+        up, down = rx.routed_configs(6, flash)
+        assert up == dataclasses.replace(base_up, one_chain=True, num_stages=6)
+        assert down == dataclasses.replace(base_down, maxnreg=96)
+        rx.CONFIG_OVERRIDE = "down:maxnreg=none"
+        rx._routed_configs.cache_clear()
+        assert rx.routed_configs(6, flash)[1].maxnreg is None
+        for bad, match in (("upgate:num_stages=3", "should read 'gate_up:FIELD=VALUE"),
+                           ("gate_up:stages=3", "FIELD a GemmConfig field other than block_m / kind"),
+                           ("gate_up:block_m=32", "other than block_m / kind"),
+                           ("gate_up:num_stages=three", "num_stages='three': expected an int"),
+                           ("gate_up:one_chain=yes", "one_chain='yes': expected 0/1/true/false"),
+                           ("down:one_chain=1,fold_sa=0", "one_chain=True needs kind 'swap' with fold_sa=True")):
+            rx.CONFIG_OVERRIDE = bad
+            rx._routed_configs.cache_clear()
+            with pytest.raises(ValueError, match=match):
+                rx.routed_configs(6, flash)
+    finally:
+        rx.CONFIG_OVERRIDE = ""
+        rx._routed_configs.cache_clear()
+    assert rx.routed_configs(6, flash) == (base_up, base_down)
