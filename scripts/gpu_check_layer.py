@@ -14,7 +14,9 @@ For the Flash and Pro-TP8 shapes:
     the GPU, against the CPU reference (Flash shapes, one layer)
 Writes $OUT/gpu_check_layer.json and .txt (rewritten after every case, so a run stopped by a
 time limit leaves what it checked, marked unfinished); prints a table; exits 1 on any failure.
-Time on the H200 (session 26): `--quick --no-checkpoint` ~95 s, `--quick` > 230 s, full ~375 s.
+Time on the H200 (session 26): `--quick --no-checkpoint` ~95 s, `--quick` > 230 s, full ~375 s;
+session 34: `--quick` > 310 s, `--checkpoint-only` 146 s (writing the checkpoint ~90 s of it), so in
+a time-limited call run the checkpoint case as its own step.
 """
 
 from __future__ import annotations
@@ -230,6 +232,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-checkpoint", action="store_true")
+    p.add_argument("--checkpoint-only", action="store_true",
+                   help="only the real-format checkpoint case (no synthetic-weight case)")
     p.add_argument("--front-only", action="store_true", help="only the one-launch decode front's checks")
     p.add_argument("--cases", default="flash,pro-tp8,flash-nk", help="which layer cases to run")
     p.add_argument("--routed-layout", default="auto", choices=("auto", "mma64", "mma64e"),
@@ -241,6 +245,10 @@ def main(argv=None) -> int:
                    help="MODULE.ATTR=V (repeatable), as bench_layer.py: module switches set before anything "
                         "is built, e.g. to check an opt-in path")
     args = p.parse_args(argv)
+    if args.checkpoint_only and (args.no_checkpoint or args.front_only):
+        p.error("--checkpoint-only cannot be combined with --no-checkpoint or --front-only")
+    if args.checkpoint_only:
+        args.cases = ""
     from dsv4_moe.bench.run import _apply_set  # the layer bench's --set (same parsing, memo cleared)
     for item in args.set:
         print(_apply_set(item), flush=True)

@@ -8,6 +8,7 @@ import guards) are checked on their own.
 
 import dataclasses
 import json
+import os
 import sys
 
 import pytest
@@ -411,9 +412,6 @@ def test_timeline_forward_table():
     the period inside a replay only (the gap between replays is not a forward's cost); a
     kernel whose count does not divide into forwards is set aside and named, and nothing left
     is refused."""
-    import os
-    import sys
-
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
     from gpu_timeline_layer import forward_table
 
@@ -440,3 +438,14 @@ def test_timeline_forward_table():
     assert [k for k, _ in t2] == [k for k, _ in table][:3] and t2[1][1] == table[1][1]
     res, why = forward_table(once, inner=3, replays=2)
     assert res is None and "0 kernel events for 2 x 3 forwards" in why and "nvjet_memset_like_kernel" in why
+
+
+def test_gpu_check_layer_checkpoint_only_flag():
+    """scripts/gpu_check_layer.py --checkpoint-only (session 34: the checkpoint case as its own step
+    of a time-limited call) refuses the flags that contradict it before touching a device."""
+    import subprocess
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "gpu_check_layer.py")
+    for extra in ("--no-checkpoint", "--front-only"):
+        r = subprocess.run([sys.executable, script, "--checkpoint-only", extra], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 2 and "--checkpoint-only cannot be combined" in r.stderr, r.stderr
