@@ -159,7 +159,10 @@ def cast_e4m3_bytes(y, SOFTWARE: tl.constexpr):
     sign = ((bits >> 24) & 0x80).to(tl.uint8)
     if SOFTWARE:
         a = tl.abs(y)
-        sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+        # NOTE: the subnormal rounding only on the values it serves (0 for the others, which
+        # the select below drops): a NaN (e.g. block padding the unfused twins quantise and then
+        # discard) would otherwise meet numpy's float -> int cast ("invalid value" warning)
+        sub = ((tl.where(a < 0.015625, a, 0.0) * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
         ab = a.to(tl.int32, bitcast=True)
         nrm = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - (120 << 3)
         q = (tl.where(a < 0.015625, sub, nrm).to(tl.uint8)) | sign
