@@ -292,3 +292,47 @@ def test_logits_gemv_prewait_same_bits(monkeypatch, t, e, h):
     assert ((got.double() - exact).abs() <= 4 * h * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)).all()
     assert not router_mod.gemv_prewait(2, 7168, 8192)            # Pro-shaped T = 2: slower, off
     assert not router_mod.gemv_prewait(4, 4096, 1024)            # the streamed forms load in their loop
+
+
+def test_logits_prefetch_rule(monkeypatch):
+    """router.LOGITS_PREFETCH: the streamed logits forms prefetch their gate rows into the L2
+    before the PDL wait - only under PDL (a launch with pdl_options), with a power-of-two count of
+    lines per row (the prefetch's arange), and not when switched off. The interpreter and CPU never
+    get PDL options, so never the PTX."""
+    from dsv4_moe.kernels import router as router_mod
+
+    pdl = {"PDL": 2, "launch_pdl": True}
+    assert router_mod.logits_prefetch(pdl, 8) and router_mod.logits_prefetch({"PDL": 1}, 128)
+    assert not router_mod.logits_prefetch({}, 8)                 # plain launch: no wait to hide behind
+    assert not router_mod.logits_prefetch(pdl, 6) and not router_mod.logits_prefetch(pdl, 0)
+    monkeypatch.setattr(router_mod, "LOGITS_PREFETCH", False)
+    assert not router_mod.logits_prefetch(pdl, 8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the L2 prefetch is inline PTX: needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["early", "exit"])
+@pytest.mark.parametrize("t,e,h,impl", [(3, 384, 7168, "gemv"), (4, 256, 4096, "gemv"), (5, 384, 7168, "mma"),
+                                        (8, 256, 4096, "mma"), (16, 384, 7168, "mma"), (3, 384, 7168, "gemv32")])
+def test_gpu_logits_prefetch_same_bits(monkeypatch, mode, t, e, h, impl):
+    """The L2 prefetch before the PDL wait changes no bit of the logits (the GEMV of T = 3-4, bf16
+    and fp32 gates, and the tensor-core kernel of T = 5-16), launched under PDL either way."""
+    from dsv4_moe import dispatch
+    from dsv4_moe.kernels import router as router_mod
+
+    if not dispatch.has_pdl(torch.device("cuda"))[0]:
+        pytest.skip(f"no PDL here ({dispatch.has_pdl(torch.device('cuda'))[1]}): the prefetch is never taken")
+    g = torch.Generator().manual_seed(t * 31 + h)
+    x = torch.randn(t, h, generator=g).bfloat16().cuda()
+    w = (torch.randn(e, h, generator=g) * 0.05).bfloat16().cuda()
+    if impl == "gemv32":
+        w = w.float()
+    fn = router_mod.router_logits_mma if impl == "mma" else router_mod.router_logits_gemv
+    outs = []
+    with dispatch.pdl_scope(mode):
+        for on in (False, True):
+            monkeypatch.setattr(router_mod, "LOGITS_PREFETCH", on)
+            outs.append(fn(x, w))
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
+    exact = x.double() @ w.double().T
+    assert ((outs[1].double() - exact).abs() <= 4 * h * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)).all()
