@@ -92,10 +92,8 @@ def router_triton_supported(ctx: DispatchContext):
     gemv_max, mma_max = rt.GEMV_MAX_T, rt.MMA_MAX_T
     prewait = " with its gate rows loaded before the PDL wait" if ctx.hidden and rt.gemv_prewait(
         ctx.num_tokens, ctx.hidden, rt.gemv_blocks(ctx.num_tokens, ctx.hidden)[2]) else ""
-    if not prewait and rt.LOGITS_PREFETCH and ctx.num_tokens <= mma_max:
-        prewait = " with its gate rows prefetched into the L2 before the PDL wait (under PDL)"
     logits = (f"logits by the Triton GEMV (T <= {gemv_max}){prewait}" if gpu and ctx.num_tokens <= gemv_max
-              else f"logits by the Triton tensor-core kernel (T <= {mma_max}, bf16 gate){prewait}"
+              else f"logits by the Triton tensor-core kernel (T <= {mma_max}, bf16 gate)"
               if gpu and ctx.num_tokens <= mma_max
               else "logits by cuBLAS (fp32 out)" if gpu else "logits by torch matmul")
     scores = ("sqrt(softplus) in the top-k kernel (libdevice, bitwise torch's)" if gpu

@@ -20,7 +20,6 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ._act_quant import act_quant_group
-from ._l2_prefetch import _LINE
 from ._triton_utils import pdl_enter, split_k_arrive, split_k_reset
 
 
@@ -38,21 +37,6 @@ def _sqrt_softplus(logit):
 
 
 @triton.jit
-def _prefetch_gate_rows(w_ptr, row0, E, stride_w, col0, H: tl.constexpr, BLOCK_E: tl.constexpr,
-                        LINES: tl.constexpr, ELT: tl.constexpr):
-    """L2 prefetch of gate rows row0 .. row0 + BLOCK_E - 1 (those < E), columns col0 + j * (128 /
-    ELT) for j < LINES (those < H; ELT bytes per element): one `prefetch.global.L2` per 128-byte
-    line (the l2_prefetch kernel's "line" PTX). Nothing is loaded into registers and nothing is
-    written, so it may run before the PDL wait (router.logits_prefetch): the gate weight is static.
-    GPU only (inline PTX)."""
-    ee = row0 + tl.arange(0, BLOCK_E)
-    cc = col0 + tl.arange(0, LINES) * (128 // ELT)
-    ok = ((ee < E)[:, None] & (cc < H)[None, :]).to(tl.int32)
-    addr = (w_ptr + tl.where(ee < E, ee, 0).to(tl.int64)[:, None] * stride_w + cc[None, :]).to(tl.int64)
-    tl.inline_asm_elementwise(_LINE, "=r,l,r", [addr, ok], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _router_logits_kernel(
     x_ptr,             # [T, H] bf16, row stride stride_x
     w_ptr,             # [E, H] bf16 / f32, row stride stride_w
@@ -66,8 +50,6 @@ def _router_logits_kernel(
     QUANT: tl.constexpr = False, PAIRS: tl.constexpr = 0, QUANT_ROUNDS: tl.constexpr = 1,
     SOFTWARE: tl.constexpr = False,
     PREWAIT: tl.constexpr = False,  # router.gemv_prewait: the gate rows loaded before the PDL wait
-    PREFETCH: tl.constexpr = False,  # router.logits_prefetch: the gate rows L2-prefetched before it
-    PF_LINES: tl.constexpr = 1, ELT: tl.constexpr = 2,  # PREFETCH: 128-byte lines per row, bytes per weight
 ):
     """logits[t, e] = sum_h x[t, h] * W[e, h] on the CUDA cores, fp32 accumulation.
 
@@ -79,11 +61,7 @@ def _router_logits_kernel(
     g mod quant_step (= the grid's first dimension) of the token tile's row of programs.
     PREWAIT (BLOCK_H >= H, the whole-row forms of T <= 2): the program's gate rows - static weights, which
     no kernel of the forward writes - are loaded before pdl_enter's wait, so their DRAM round
-    trip overlaps the previous kernel's tail; x and everything after the wait as before.
-    PREFETCH (the streamed forms, not with PREWAIT): the program's gate rows are only prefetched
-    into the L2 before the wait (no registers held); the same loads and bits after it."""
-    if PREFETCH:
-        _prefetch_gate_rows(w_ptr, tl.program_id(0) * BLOCK_E, E, stride_w, 0, H, BLOCK_E, PF_LINES, ELT)
+    trip overlaps the previous kernel's tail; x and everything after the wait as before."""
     if PREWAIT:
         w_pre = _gate_rows(w_ptr, tl.program_id(0), E, stride_w, H, BLOCK_E, BLOCK_H)
         pdl_enter(PDL)
@@ -127,7 +105,6 @@ def _router_logits_mma_kernel(
     q_ptr=None, s_ptr=None, p_ptr=None,  # QUANT: act_quant(x) outputs (see _quant_share)
     stride_q=0, stride_s=0, stride_p=0, quant_step=1,
     QUANT: tl.constexpr = False, PAIRS: tl.constexpr = 0, QUANT_ROUNDS: tl.constexpr = 1,
-    PREFETCH: tl.constexpr = False,  # router.logits_prefetch: the gate chunk L2-prefetched before the wait
 ):
     """logits[t, e] = sum_h x[t, h] * W[e, h] on the tensor cores (weights x tokens, so a
     [BLOCK_E, BLOCK_T] tile per program and K_PER of H), fp32 accumulation; bf16 x bf16
@@ -138,12 +115,7 @@ def _router_logits_mma_kernel(
     SOFTWARE (the interpreter, whose bf16 dot is not exact): fp32 operands, IEEE dot.
     QUANT: the programs of each K chunk also quantise x's 128-column groups of that chunk
     (act_quant, fp32 scales), group j of the chunk by gate-row program j mod quant_step (=
-    the grid's first dimension).
-    PREFETCH: the program's [BLOCK_E, K_PER] gate chunk (bf16) is prefetched into the L2 before
-    the PDL wait (static weights; nothing held in registers); the same loads and bits after it."""
-    if PREFETCH:
-        _prefetch_gate_rows(w_ptr, tl.program_id(0) * BLOCK_E, E, stride_w, tl.program_id(1) * K_PER, H, BLOCK_E,
-                            K_PER * 2 // 128, 2)
+    the grid's first dimension)."""
     pdl_enter(PDL)
     pid_e = tl.program_id(0)
     pid_s = tl.program_id(1)

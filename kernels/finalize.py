@@ -44,12 +44,6 @@ _SMALL_T = 64
 # 54.6, T=16 356.2 / 354.5 and 352.0 / 348.2; Pro-TP8 T=1 31.0 / 30.9 twice, T=16 142.5 / 141.5 and
 # 141.8 / 141.4. So 128.
 SMALL_T_BLOCK_H = 128
-# Under PDL at exit (dispatch.pdl_policy), launch the finalize - the layer's last kernel - with early
-# release all the same, so the next kernel on the stream (in a graph of layers: the next layer's
-# router, whose gate rows are prefetched before its wait, router.LOGITS_PREFETCH) becomes resident
-# while the finalize runs. Its successor still waits for the finalize to complete: the same bits.
-# A/B switch (session 35); False: the layer's mode. Measured: see BENCHMARKS.md session 35.
-RELEASE_EARLY = False
 
 
 def _block_h(t: int, h: int) -> tuple[int, int]:
@@ -104,14 +98,11 @@ def _launch_finalize(y, topk_ids, first_expert, num_local, shared_out, out, part
     bh, warps = _block_h(t, h)
     ids = topk_ids.contiguous()
     sh = shared_out if shared_out is not None else out
-    pdl = pdl_options(out.device)
-    if RELEASE_EARLY and pdl.get("PDL") == 2:
-        pdl = {**pdl, "PDL": 1}
     _finalize_kernel[(t, -(-h // bh))](
         y, ids, sh, out, h, first_expert, num_local,
         y.stride(-3), y.stride(-2), ids.stride(0), sh.stride(0), out.stride(0),
         TOP_K=k, BLOCK_H=bh, HAS_SHARED=shared_out is not None, PARTIAL=partial,
-        SOFTWARE_BF16=interpreting(), num_warps=warps, **pdl,
+        SOFTWARE_BF16=interpreting(), num_warps=warps, **pdl_options(out.device),
         stride_yp=y.stride(0) if parts else 0, PARTS=parts)
     return out
 

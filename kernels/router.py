@@ -38,7 +38,7 @@ import torch
 
 __all__ = ["route_topk", "router_logits", "router_logits_gemv", "router_logits_mma", "gemv_blocks", "gemv_prewait",
            "mma_blocks", "logits_path",
-           "GEMV_MAX_T", "GEMV_PREWAIT", "LOGITS_PREFETCH", "MMA_MAX_T", "check_route_args", "logits_prefetch"]
+           "GEMV_MAX_T", "GEMV_PREWAIT", "MMA_MAX_T", "check_route_args"]
 
 _E_MAX = 4096  # one register vector per token; DeepSeek-V4 has E <= 384
 # NOTE: the logits GEMV replaces cuBLAS up to this many tokens. H200, CUDA graphs, gate
@@ -67,13 +67,6 @@ GEMV_MAX_T = 4
 # 43.2 / 43.4). So on at T = 1 and, up to GEMV_PREWAIT_MAX_H, at T = 2. A/B switch: False = off.
 GEMV_PREWAIT = True
 GEMV_PREWAIT_MAX_H = 4096
-# NOTE (session 35): where the gate rows are not loaded before the wait (the streamed GEMV of T =
-# 3-4, the tensor-core kernel of T = 5-16) each program instead prefetches its gate rows into the
-# L2 before its PDL wait (`_prefetch_gate_rows`: one `prefetch.global.L2` per 128-byte line, no
-# registers held, no load or bit changed after the wait), so their DRAM round trip overlaps the
-# previous kernel's tail as far as the launch lets it. Only under PDL (without it there is no wait
-# to hide behind). A/B switch: False = off. Measured: see BENCHMARKS.md session 35.
-LOGITS_PREFETCH = True
 # NOTE (session 26): from GEMV_MAX_T + 1 to MMA_MAX_T tokens the logits come from a Triton
 # tensor-core kernel split over H with an in-kernel ordered reduction (`router_logits_mma`,
 # one launch) instead of cuBLAS, whose split-K GEMM + reduce took 6.4-7.2 us end to end at T =
@@ -154,13 +147,6 @@ def gemv_prewait(t: int, h: int, block_h: int) -> bool:
     return bool(GEMV_PREWAIT) and block_h >= h and (t == 1 or h <= GEMV_PREWAIT_MAX_H)
 
 
-def logits_prefetch(pdl: dict, lines: int) -> bool:
-    """Whether a logits launch prefetches its gate rows into the L2 before its PDL wait
-    (LOGITS_PREFETCH): only when launched under PDL (`pdl`: its pdl_options) and with a power-of-two
-    count of 128-byte lines per program row (the prefetch's arange)."""
-    return bool(LOGITS_PREFETCH) and bool(pdl.get("PDL")) and lines >= 1 and lines & (lines - 1) == 0
-
-
 def gemv_blocks(t: int, h: int | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_E, BLOCK_H, num_warps) of the logits GEMV for T tokens (hidden size h):
     1-2 gate rows per program (128-384 programs for E = 256-384), up to 8 tokens per program,
@@ -210,15 +196,10 @@ def router_logits_gemv(x: torch.Tensor, weight: torch.Tensor,
     x = x.contiguous()
     weight = weight.contiguous()
     pdl = pdl_options(x.device)
-    prewait = gemv_prewait(t, h, bh)
-    elt = weight.element_size()
-    lines = triton.next_power_of_2(-(-h * elt // 128))
-    # one row of token tiles prefetches (T <= BLOCK_T: every decode call)
-    prefetch = not prewait and t <= bt and logits_prefetch(pdl, lines)
     _router_logits_kernel[(triton.cdiv(e, be), triton.cdiv(t, bt))](
         x, weight, out, t, e, x.stride(0), weight.stride(0), out.stride(0),
         H=h, BLOCK_T=bt, BLOCK_E=be, BLOCK_H=bh, NUM_STAGES=3, num_warps=warps,
-        PREWAIT=prewait, PREFETCH=prefetch, PF_LINES=lines if prefetch else 1, ELT=elt, **pdl,
+        PREWAIT=gemv_prewait(t, h, bh), **pdl,
         **_quant_args(quant, triton.cdiv(e, be), triton.cdiv(h, 128)), SOFTWARE=interpreting())
     return out
 
@@ -259,12 +240,10 @@ def router_logits_mma(x: torch.Tensor, weight: torch.Tensor,
     cnt = tile_counters(x.device, grid[0] * grid[2])
     x = x.contiguous()
     weight = weight.contiguous()
-    pdl = pdl_options(x.device)
     _router_logits_mma_kernel[grid](
         x, weight, out, ws, cnt, t, e, x.stride(0), weight.stride(0), out.stride(0),
         H=h, BLOCK_E=be, BLOCK_T=bt, BLOCK_K=bk, K_PER=k_per, SPLITS=splits, SOFTWARE=interpreting(),
-        num_warps=num_warps or MMA_NUM_WARPS, **pdl,
-        PREFETCH=grid[2] == 1 and logits_prefetch(pdl, k_per * 2 // 128),
+        num_warps=num_warps or MMA_NUM_WARPS, **pdl_options(x.device),
         **_quant_args(quant, grid[0], k_per // 128))
     return out
 

@@ -164,14 +164,10 @@ def test_explain_router_sub_choices(monkeypatch):
     pre = "gate rows loaded before the PDL wait"
     assert pre in reason_h(1, 7168) and pre in reason_h(2, 4096) and pre not in reason_h(2, 7168)
     assert pre not in reason_h(3, 4096)
-    pf = "gate rows prefetched into the L2 before the PDL wait"
-    assert pf in reason_h(3, 4096) and pf in reason_h(8, 7168) and pf in reason_h(2, 7168)
-    assert pf not in reason_h(1, 7168) and pf not in reason_h(MMA_MAX_T + 1, 7168)
     monkeypatch.setattr(router_mod, "GEMV_PREWAIT", False)  # the A/B switch takes it away
-    monkeypatch.setattr(router_mod, "LOGITS_PREFETCH", False)
     dispatch.clear_plan_cache()
     try:
-        assert pre not in reason_h(1, 4096) and pf not in reason_h(8, 7168)
+        assert pre not in reason_h(1, 4096)
     finally:
         monkeypatch.undo()
         dispatch.clear_plan_cache()

@@ -49,13 +49,6 @@ def test_every_kernel_waits_first():
         default = node.args.defaults[args.index("PDL") - (len(args) - len(node.args.defaults))]
         assert ast.unparse(default) == "0", f"{fname}:{node.name}: PDL must default to 0 (plain launch)"
         body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-        if isinstance(body[0], ast.If) and ast.unparse(body[0].test) == "PREFETCH":
-            # router.LOGITS_PREFETCH: an L2 prefetch of static gate rows (no load into registers, no
-            # write) may precede the wait; exactly one `_prefetch_gate_rows(...)` call, no else
-            pf = body[0]
-            assert len(pf.body) == 1 and not pf.orelse and ast.unparse(pf.body[0]).startswith(
-                "_prefetch_gate_rows("), f"{fname}:{node.name}: the PREFETCH branch may only prefetch gate rows"
-            body = body[1:]
         first = ast.unparse(body[0])
         if isinstance(body[0], ast.If) and ast.unparse(body[0].test) == "PREWAIT":
             # the one exception (router.GEMV_PREWAIT): static gate rows - weights no kernel of the
