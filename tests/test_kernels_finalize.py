@@ -1,8 +1,6 @@
 """finalize (kernels/finalize.py) under TRITON_INTERPRET=1: fused == unfused bitwise and
 == the reference (finalize + shared add + one rounding) bitwise; non-local routes skipped."""
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import _triton_interp  # noqa: F401  (sets TRITON_INTERPRET=1 where there is no GPU; must precede triton)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -10,6 +8,8 @@ import torch  # noqa: E402
 from dsv4_moe import reference as ref  # noqa: E402
 from dsv4_moe.kernels.finalize import (add_shared_round, finalize_partial, finalize_shared_add,  # noqa: E402
                                        finalize_split_shared_add, finalize_unfused)
+
+pytestmark = pytest.mark.skipif(not _triton_interp.INTERPRETING, reason=_triton_interp.NATIVE_SKIP_REASON)
 
 
 def _case(t, k, h, e, seed):

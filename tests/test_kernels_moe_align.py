@@ -1,12 +1,12 @@
 """moe_align (kernels/moe_align.py) under TRITON_INTERPRET=1: tested by invariants."""
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import _triton_interp  # noqa: F401  (sets TRITON_INTERPRET=1 where there is no GPU; must precede triton)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from dsv4_moe.kernels.moe_align import align_sizes, moe_align  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not _triton_interp.INTERPRETING, reason=_triton_interp.NATIVE_SKIP_REASON)
 
 
 def _ids(t, k, e, seed):
