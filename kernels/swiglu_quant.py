@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from .act_quant import act_quant, alloc_scales, check_pairs_out, check_scales_out, pairs_scaled, scale_fmt_code
 
 __all__ = ["swiglu_quant", "swiglu_quant_partials", "swiglu_quant_unfused", "choose_strategy",
-           "PERSISTENT_MIN_ELEMENTS"]
+           "PERSISTENT_MIN_ELEMENTS", "PERSISTENT_I_MULTIPLE"]
 
 _BLOCK = 128
 
@@ -49,18 +49,30 @@ _BLOCK = 128
 # between 0.5M and 1.5M elements, so 1M (seed 002's figure for its CUDA kernels) stays.
 # Re-measure with scripts/gpu_check_shared.py --parts t_swiglu.
 PERSISTENT_MIN_ELEMENTS = 1 << 20
+# NOTE (session 35, H200, Triton 3.6; scripts/gpu_probe_native_bounds.py --parts swiglu,
+# docs/bench/2026-11-30/session35/probe_native_bounds_*.txt): the persistent kernel wrote wrong
+# codes at odd columns (every quant group, the scales right) for I = 136, 152, 200, 216 and 1000
+# (I % 16 == 8) at 4 and 40 rows, and under 1, 2 or 4 warps with 16- or 32-row tiles; right for
+# I % 16 in (0, 4) (100, 144, 176, 192, 196, 208, 256, 384, 1008) and in the group and rows kernels,
+# which run the same tile code (_swiglu_load / _swiglu_compute_store) - so the fault lies in how
+# this kernel's tile is compiled at those widths; the cause is not found. The interpreter is right
+# at every width. So the persistent grid is taken only for I % PERSISTENT_I_MULTIPLE == 0 (every
+# DeepSeek-V4 width: I / tp is a multiple of the MXFP4 group, 32); other widths run "group"
+# (choose_strategy), and asking for "persistent" there is a ValueError.
+PERSISTENT_I_MULTIPLE = 16
 
 
 def choose_strategy(m: int, intermediate: int, filtered: bool) -> str:
-    """'persistent' when the output has at least PERSISTENT_MIN_ELEMENTS elements,
-    otherwise 'group' (filtered or not: `filtered` is kept for callers).
+    """'persistent' when the output has at least PERSISTENT_MIN_ELEMENTS elements and I is a
+    multiple of PERSISTENT_I_MULTIPLE, otherwise 'group' (filtered or not: `filtered` is kept
+    for callers).
 
     NOTE: sessions 1-3 took the persistent grid for every filtered input (seed 002:
     skipping dominates); the H200 profile of session 4 (scripts/gpu_profile_layer.py)
     measured the routed call at Flash T=1 (96 rows, 90 of them padding) at 5.05 us
     persistent, where the shared expert's unfiltered 1-row call took 1.42 us grouped: a
     small filtered input is launch-bound like any other. Large ones keep the grid."""
-    if m * intermediate >= PERSISTENT_MIN_ELEMENTS:
+    if m * intermediate >= PERSISTENT_MIN_ELEMENTS and intermediate % PERSISTENT_I_MULTIPLE == 0:
         return "persistent"
     return "group"
 
@@ -179,6 +191,10 @@ def swiglu_quant(gate_up: torch.Tensor, *, limit: float = 10.0,
         strategy = "rows" if rows is not None else choose_strategy(m, i, expert_ids is not None)
     if strategy not in ("group", "persistent", "rows"):
         raise ValueError(f"{fn}: strategy={strategy!r}, expected None, 'group', 'persistent' or 'rows'")
+    if strategy == "persistent" and i % PERSISTENT_I_MULTIPLE:
+        raise ValueError(f"{fn}: strategy='persistent' needs I % {PERSISTENT_I_MULTIPLE} == 0, got I={i} (its kernel "
+                         f"wrote wrong codes at such widths on the H200, see the NOTE above PERSISTENT_I_MULTIPLE); "
+                         f"use None (auto), 'group' or 'rows'")
     if (strategy == "rows") != (rows is not None):
         raise ValueError(f"{fn}: strategy={strategy!r} with rows={'given' if rows is not None else None}: "
                          f"strategy 'rows' and the rows argument go together")

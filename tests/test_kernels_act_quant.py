@@ -34,8 +34,10 @@ def check_vs_reference(x):
 
 
 # (130, 300) and (531, 256): the 8- and 32-row programs of larger M (partial row blocks,
-# a partial last group)
-@pytest.mark.parametrize("shape", [(1, 128), (5, 384), (7, 300), (3, 1000), (17, 256), (130, 300), (531, 256)])
+# a partial last group); (40, 136) and (531, 200): K % 16 == 8 over several row blocks, the widths
+# at which swiglu_quant's persistent kernel went wrong on the H200 (session 35)
+@pytest.mark.parametrize("shape", [(1, 128), (5, 384), (7, 300), (3, 1000), (17, 256), (130, 300), (531, 256),
+                                   (40, 136), (531, 200)])
 def test_random_matches_reference_bitwise(shape):
     torch.manual_seed(shape[0] * 1000 + shape[1])
     x = (torch.randn(shape) * torch.logspace(-3, 3, shape[0])[:, None]).bfloat16()

@@ -4,7 +4,7 @@ path - under TRITON_INTERPRET=1. The interpreter has no libdevice, so both sides
 the raw logits here (`_raw_logits=True` / the top-k kernel with APPLY_SCORES=False); the GPU
 check (scripts/gpu_check_layer.py) compares the real thing inside the layer.
 """
-from tests import _triton_interp  # noqa: F401  (sets TRITON_INTERPRET=1 on CPU)
+import _triton_interp  # noqa: F401  (sets TRITON_INTERPRET=1 on CPU; tests/ is on sys.path via conftest)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

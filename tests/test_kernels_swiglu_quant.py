@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from dsv4_moe import reference as ref
-from dsv4_moe.kernels.swiglu_quant import choose_strategy, swiglu_quant, swiglu_quant_partials, swiglu_quant_unfused
+from dsv4_moe.kernels.swiglu_quant import (PERSISTENT_I_MULTIPLE, PERSISTENT_MIN_ELEMENTS, choose_strategy, swiglu_quant,
+                                           swiglu_quant_partials, swiglu_quant_unfused)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 STRATEGIES = ["group", "persistent"]
@@ -43,12 +44,19 @@ def _gate_up(m, i, seed, gate_scale=4.0, up_scale=4.0):
 def run_both(x, **kw):
     out = {}
     for strat in STRATEGIES:
+        if strat == "persistent" and (x.shape[1] // 2) % PERSISTENT_I_MULTIPLE:
+            with pytest.raises(ValueError, match=f"strategy='persistent' needs I % {PERSISTENT_I_MULTIPLE} == 0"):
+                swiglu_quant(x.to(DEV), strategy=strat, **kw)
+            continue
         out[strat] = swiglu_quant(x.to(DEV), strategy=strat, **kw)
     out["unfused"] = swiglu_quant_unfused(x.to(DEV), **kw)
     return out
 
 
-@pytest.mark.parametrize("m,i", [(1, 128), (3, 384), (9, 256), (4, 200)])
+# (40, 136): I % 16 == 8 over several row blocks, where the persistent kernel wrote wrong codes on
+# the H200 (it now refuses such widths; the others must be right there); (40, 144): a width off
+# the 128-multiples that the persistent kernel takes
+@pytest.mark.parametrize("m,i", [(1, 128), (3, 384), (9, 256), (4, 200), (40, 136), (40, 144)])
 def test_matches_reference_bitwise(m, i):
     x = _gate_up(m, i, seed=m * 7 + i)
     rq, rs = ref.swiglu_quant(x, 10.0)
@@ -191,6 +199,11 @@ def test_strategy_rule():
     assert choose_strategy(96, 2048, filtered=True) == "group"          # routed decode: launch-bound
     assert choose_strategy(8192 * 6, 384, filtered=True) == "persistent"
     assert choose_strategy(8192, 2048, filtered=False) == "persistent"
+    # widths off the multiples of 16 (none in DeepSeek-V4) stay on the group kernel at any size
+    assert choose_strategy(PERSISTENT_MIN_ELEMENTS, 1000, filtered=False) == "group"
+    assert choose_strategy(PERSISTENT_MIN_ELEMENTS, 1008, filtered=False) == "persistent"
+    with pytest.raises(ValueError, match="strategy='persistent' needs I % 16 == 0, got I=200"):
+        swiglu_quant(_gate_up(2, 200, seed=3).to(DEV), strategy="persistent")
 
 
 def test_wrapper_errors_name_the_argument():

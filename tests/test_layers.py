@@ -217,18 +217,21 @@ def test_env_force(monkeypatch):
 
 
 # --------------------------------------------------------------------------- CLI / loading
-def test_load_default_and_run_cli():
+def test_load_default_and_run_cli(tmp_path):
     from dsv4_moe.weights.default import DEFAULT_CHECKPOINT_DIR
 
     layer = load_moe_layer(DEFAULT_CHECKPOINT_DIR, 0)
     assert layer.is_hash and layer.config == CFG
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    # NOTE: run from a neutral directory: from the repository root `python -m dsv4_moe` would import
+    # the source folder dsv4_moe/ (which lacks the mapped subpackages weights/ and kernels/) instead
+    # of the installed package, e.g. under `python -P -m pytest` with a non-editable install
     r = subprocess.run([sys.executable, "-m", "dsv4_moe", "run", "--tokens", "4"], capture_output=True, text=True,
-                       env=env, timeout=300)
+                       env=env, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "layer 0:" in r.stdout and "layer 1:" in r.stdout and "finite=True" in r.stdout
     r = subprocess.run([sys.executable, "-m", "dsv4_moe", "explain", "--layer", "1", "--tokens", "8"],
-                       capture_output=True, text=True, env=env, timeout=300)
+                       capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert r.returncode == 0 and "finalize" in r.stdout, r.stderr
 
 

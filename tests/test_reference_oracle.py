@@ -59,7 +59,18 @@ def test_reference_matches_transformers_fp32(layer_idx):
                                  CFG.num_experts_per_tok, CFG.routed_scaling_factor)
     hf_sorted, order = torch.sort(hf_ids.view(t, -1), dim=-1)
     assert torch.equal(hf_sorted, our_ids), "expert ids differ from transformers"
-    assert torch.allclose(hf_w.view(t, -1).gather(1, order), our_w, rtol=1e-5, atol=0)
+    # The weights: transformers sums the logits in fp32 (F.linear, in this host's BLAS order),
+    # the reference in float64; only that may differ. Through sqrt(softplus) (d log s / dl <= 1/2)
+    # and the renormalisation a logit error dl moves log w by at most max|dl| of the token, so the
+    # bound is 1e-5 (the fp32 roundings after the logits) plus the difference measured here. On
+    # the H200 host (session 35) max|dl| was 2.3e-5 and the weights 1.15e-5 apart, which the
+    # former flat rtol=1e-5 failed; a wrong scale or renormalisation moves them by O(1).
+    hf_logits = torch.nn.functional.linear(x, w.router.weight.float())
+    ref_logits = (x.double() @ w.router.weight.double().T).float()
+    dl = (hf_logits - ref_logits).abs().amax(1, keepdim=True)
+    rel = (hf_w.view(t, -1).gather(1, order) - our_w).abs() / our_w.abs()
+    assert (rel <= 1e-5 + dl).all(), f"router weights {rel.max().item():.3e} apart (logits {dl.max().item():.3e})"
+    assert dl.max() < 1e-3  # the bound stays tight: the logits themselves agree to fp32 summation
     # the clamp was active (else this test could not catch a missing clamp)
     gu = x @ d["shared_gate_up"].T
     assert (gu.abs() > CFG.swiglu_limit).float().mean() > 0.05
