@@ -16,7 +16,9 @@ This probe measures each, so that the tests' bounds (or the kernels) can be fixe
            largest |F.linear logits - the reference's float64-summed logits| and the largest
            relative difference of the renormalised weights
 
-    OUT=./out python3 scripts/gpu_probe_native_bounds.py [--parts swiglu,fp8,oracle]
+    OUT=./out python3 scripts/gpu_probe_native_bounds.py [--parts swiglu,fp8,oracle] [--widths 136,200]
+
+(TRITON_PTXAS_PATH=... assembles with another ptxas, e.g. the CUDA toolkit's: Triton's knob.)
 
 Writes $OUT/probe_native_bounds.json and prints a table per part.
 """
@@ -50,14 +52,19 @@ def _diff(a, b):
     return dict(n=int(bad.sum()), of=a8.numel())
 
 
-def part_swiglu(rows_out):
+def part_swiglu(rows_out, widths=WIDTHS):
     from dsv4_moe import reference as ref
     from dsv4_moe.kernels import _swiglu_quant as body
+    from dsv4_moe.kernels import swiglu_quant as wrapper
     from dsv4_moe.kernels.swiglu_quant import swiglu_quant
-    print("== swiglu: bytes differing from the reference (codes / scales)")
+    # the kernel itself at every width: the wrapper's guard (PERSISTENT_I_MULTIPLE, session 35)
+    # would refuse the persistent grid at the widths it went wrong at
+    wrapper.PERSISTENT_I_MULTIPLE = 1
+    print("== swiglu: bytes differing from the reference (codes / scales); ptxas:",
+          os.environ.get("TRITON_PTXAS_PATH", "Triton's bundled"))
     print(f"{'I':>5} {'M':>3} {'strategy':<18} {'codes':>14} {'scales':>8}  where")
     base = (body.PERSISTENT_NUM_WARPS, body.PERSISTENT_BLOCK_M)
-    for i in WIDTHS:
+    for i in widths:
         for m in (4, 40):
             x = _gate_up(m, i, seed=m * 7 + i).cuda()
             rq, rs = ref.swiglu_quant(x, 10.0)
@@ -145,10 +152,15 @@ def part_oracle(rows_out):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="swiglu,fp8,oracle")
+    ap.add_argument("--widths", default=",".join(map(str, WIDTHS)), help="swiglu: the intermediate widths I")
     args = ap.parse_args()
     rows = []
+    widths = tuple(int(v) for v in args.widths.split(","))
     for p in args.parts.split(","):
-        {"swiglu": part_swiglu, "fp8": part_fp8, "oracle": part_oracle}[p](rows)
+        if p == "swiglu":
+            part_swiglu(rows, widths)
+        else:
+            {"fp8": part_fp8, "oracle": part_oracle}[p](rows)
     out = os.environ.get("OUT", ".")
     with open(os.path.join(out, "probe_native_bounds.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", commit=os.environ.get("DSV4_MOE_GIT_COMMIT"), rows=rows),
