@@ -1,5 +1,6 @@
-"""finalize (kernels/finalize.py) under TRITON_INTERPRET=1: fused == unfused bitwise and
-== the reference (finalize + shared add + one rounding) bitwise; non-local routes skipped."""
+"""finalize (kernels/finalize.py): fused == unfused bitwise and == the reference (finalize +
+shared add + one rounding) bitwise; non-local routes skipped. Under TRITON_INTERPRET=1 on CPU,
+natively on a GPU (inputs moved there, outputs compared on the CPU)."""
 import _triton_interp  # noqa: F401  (sets TRITON_INTERPRET=1 where there is no GPU; must precede triton)
 
 import pytest  # noqa: E402
@@ -9,7 +10,12 @@ from dsv4_moe import reference as ref  # noqa: E402
 from dsv4_moe.kernels.finalize import (add_shared_round, finalize_partial, finalize_shared_add,  # noqa: E402
                                        finalize_split_shared_add, finalize_unfused)
 
-pytestmark = pytest.mark.skipif(not _triton_interp.INTERPRETING, reason=_triton_interp.NATIVE_SKIP_REASON)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _on(fn, *args):
+    """fn on DEV (tensor arguments moved there), its result back on the CPU."""
+    return fn(*[a.to(DEV) if isinstance(a, torch.Tensor) else a for a in args]).cpu()
 
 
 def _case(t, k, h, e, seed):
@@ -33,27 +39,27 @@ def test_fused_equals_unfused_and_reference(t, h):
     k, e, first, nl = 6, 16, 4, 8  # this rank owns 4..11: some routes are not local
     y, ids, shared = _case(t, k, h, e, t)
     y[~ref.local_mask(ids, first, nl)] = float("nan")  # non-local rows are garbage: must never be read
-    fused = finalize_shared_add(y, ids, first, nl, shared)
-    unfused = finalize_unfused(y, ids, first, nl, shared)
+    fused = _on(finalize_shared_add, y, ids, first, nl, shared)
+    unfused = _on(finalize_unfused, y, ids, first, nl, shared)
     _bits_equal(fused, unfused, "fused vs unfused")
     acc_ref = ref.finalize(torch.nan_to_num(y), ids, first, nl)
-    _bits_equal(finalize_partial(y, ids, first, nl), acc_ref, "partial vs reference")
+    _bits_equal(_on(finalize_partial, y, ids, first, nl), acc_ref, "partial vs reference")
     _bits_equal(fused, (acc_ref + shared.float()).bfloat16(), "fused vs reference")
-    _bits_equal(finalize_shared_add(y, ids.int(), first, nl), acc_ref.bfloat16(), "no shared")
+    _bits_equal(_on(finalize_shared_add, y, ids.int(), first, nl), acc_ref.bfloat16(), "no shared")
 
 
 def test_negative_zero_sum_kept():
     # all local slots -0.0: acc = +0.0 + -0.0 = +0.0 ... a skipped slot must not add +0.0 either
     y = torch.full((1, 2, 32), -0.0).bfloat16()
     ids = torch.tensor([[0, 9]])
-    out = finalize_partial(y, ids, 0, 8)
+    out = _on(finalize_partial, y, ids, 0, 8)
     _bits_equal(out, ref.finalize(y, ids, 0, 8), "signed zero")
 
 
 def test_ep_split_equals_fused():
     y, ids, shared = _case(9, 4, 128, 8, 1)
-    acc = finalize_partial(y, ids, 0, 8)
-    _bits_equal(add_shared_round(acc, shared), finalize_shared_add(y, ids, 0, 8, shared), "EP split")
+    acc = _on(finalize_partial, y, ids, 0, 8)
+    _bits_equal(_on(add_shared_round, acc, shared), _on(finalize_shared_add, y, ids, 0, 8, shared), "EP split")
 
 
 def test_zero_tokens_and_guards():
@@ -92,11 +98,11 @@ def test_split_partials_equal_reduce_then_finalize(p, t, h):
         reduced = reduced + parts[i]
     y = reduced.bfloat16()
     for sh in (shared, None):
-        got = finalize_split_shared_add(parts, ids, first, nl, sh)
-        _bits_equal(got, finalize_shared_add(y, ids, first, nl, sh), f"split partials vs reduce + finalize, P={p}")
+        got = _on(finalize_split_shared_add, parts, ids, first, nl, sh)
+        _bits_equal(got, _on(finalize_shared_add, y, ids, first, nl, sh), f"split partials vs reduce + finalize, P={p}")
     unrounded = (torch.where(local[..., None], torch.nan_to_num(reduced), 0.0).sum(1)
                  + shared.float()).bfloat16()
-    assert not torch.equal(unrounded, finalize_split_shared_add(parts, ids, first, nl, shared))
+    assert not torch.equal(unrounded, _on(finalize_split_shared_add, parts, ids, first, nl, shared))
 
 
 def test_split_partials_guards():

@@ -1,12 +1,22 @@
-"""moe_align (kernels/moe_align.py) under TRITON_INTERPRET=1: tested by invariants."""
+"""moe_align (kernels/moe_align.py), tested by invariants: under TRITON_INTERPRET=1 on CPU,
+natively on a GPU (ids moved there, the alignment's tensors checked on the CPU)."""
 import _triton_interp  # noqa: F401  (sets TRITON_INTERPRET=1 where there is no GPU; must precede triton)
+
+import dataclasses  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from dsv4_moe.kernels.moe_align import align_sizes, moe_align  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not _triton_interp.INTERPRETING, reason=_triton_interp.NATIVE_SKIP_REASON)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _align(ids, num_local, first, bm, tw=None, impl="auto"):
+    """moe_align on DEV, every tensor of the result back on the CPU."""
+    a = moe_align(ids.to(DEV), num_local, first, bm, None if tw is None else tw.to(DEV), impl=impl)
+    return dataclasses.replace(a, **{f.name: getattr(a, f.name).cpu() for f in dataclasses.fields(a)
+                                     if isinstance(getattr(a, f.name), torch.Tensor)})
 
 
 def _ids(t, k, e, seed):
@@ -17,7 +27,7 @@ def _ids(t, k, e, seed):
 
 
 def _check(ids, num_local, first, bm, tw=None, impl="auto"):
-    a = moe_align(ids, num_local, first, bm, tw, impl=impl)
+    a = _align(ids, num_local, first, bm, tw, impl=impl)
     t, k = ids.shape
     r = t * k
     flat = ids.flatten().long()
@@ -108,9 +118,9 @@ def test_small_path_no_local_route():
 def test_small_path_limits():
     ids = _ids(11, 6, 16, 0)   # 66 routes > 64
     with pytest.raises(ValueError, match="impl='small': needs R <= 64"):
-        moe_align(ids, 16, 0, 16, impl="small")
+        moe_align(ids.to(DEV), 16, 0, 16, impl="small")
     with pytest.raises(ValueError, match="impl='fast'"):
-        moe_align(ids, 16, 0, 16, impl="fast")
+        moe_align(ids.to(DEV), 16, 0, 16, impl="fast")
 
 
 def test_multi_step_scan_carries_offsets():
@@ -134,7 +144,7 @@ def test_all_tokens_one_expert():
 
 
 def test_zero_tokens_no_launch():
-    a = moe_align(torch.empty(0, 6, dtype=torch.int32), 8, 0, 16)
+    a = _align(torch.empty(0, 6, dtype=torch.int32), 8, 0, 16)
     assert a.max_rows == 0 and a.num_valid_blocks.item() == 0
 
 
@@ -143,9 +153,9 @@ def test_bad_args(bad):
     kw = dict(num_local=8, first_expert=0, block_m=16) | bad
     name = next(iter(bad))
     with pytest.raises(ValueError, match=name):
-        moe_align(_ids(2, 2, 8, 0), **kw)
+        moe_align(_ids(2, 2, 8, 0).to(DEV), **kw)
     with pytest.raises(ValueError, match="topk_ids"):
-        moe_align(torch.zeros(2, 2), 8, 0, 16)
+        moe_align(torch.zeros(2, 2, device=DEV), 8, 0, 16)
 
 
 
@@ -175,7 +185,7 @@ def test_sorted_form_limits_and_switch(monkeypatch):
     import dsv4_moe.kernels.moe_align as ma
 
     with pytest.raises(ValueError, match="impl='sorted': needs R <= 256 routes"):
-        moe_align(_ids(43, 6, 64, 0), 64, 0, 16, impl="sorted")      # 258 routes
+        moe_align(_ids(43, 6, 64, 0).to(DEV), 64, 0, 16, impl="sorted")      # 258 routes
     seen = []
     kern = body._align_small_kernel
 
@@ -187,11 +197,11 @@ def test_sorted_form_limits_and_switch(monkeypatch):
             return launch
     monkeypatch.setattr(body, "_align_small_kernel", Spy())
     ids = _ids(16, 6, 64, 2)                 # 96 routes: past the pairwise limit
-    want = moe_align(ids, 64, 0, 16, impl="chunked")
+    want = _align(ids, 64, 0, 16, impl="chunked")
     monkeypatch.setattr(ma, "SMALL_SORTED", True)
-    got = moe_align(ids, 64, 0, 16)
+    got = _align(ids, 64, 0, 16)
     assert seen == [True] and torch.equal(got.sorted_route_ids, want.sorted_route_ids)
-    moe_align(_ids(2, 6, 64, 2), 64, 0, 16)   # small too: the sorted form when switched on
+    _align(_ids(2, 6, 64, 2), 64, 0, 16)   # small too: the sorted form when switched on
     monkeypatch.setattr(ma, "SMALL_SORTED", False)
-    moe_align(_ids(2, 6, 64, 2), 64, 0, 16)
+    _align(_ids(2, 6, 64, 2), 64, 0, 16)
     assert seen == [True, True, False]
