@@ -12,6 +12,8 @@ This probe measures each, so that the tests' bounds (or the kernels) can be fixe
            that differ, largest ulp distance, and the largest |got - want| / mag, mag = the same
            GEMM on |q| and |w| (the scale of the terms summed), per config kind (GEMV, mma.sync
            16-row tiles, wgmma tiles, split-K)
+  mxfp4    the routed experts (both GEMMs and the SwiGLU-quant) at widths the check scripts never
+           run (H 2880 / 1056, I 160 / 224 / 96), in each byte order that takes them
   oracle   the external oracle's router (tests/test_reference_oracle.py) on this host's CPU: the
            largest |F.linear logits - the reference's float64-summed logits| and the largest
            relative difference of the renormalised weights
@@ -32,6 +34,9 @@ import sys
 import torch
 
 WIDTHS = (100, 136, 144, 152, 176, 192, 196, 200, 208, 216, 256, 384, 1000, 1008)
+MXFP4_SHAPES = ((2880, 160), (2880, 224), (1056, 96), (4096, 512))   # (H, I)
+MXFP4_TOKENS = (1, 5, 40, 300)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"   # cpu: a dry run under TRITON_INTERPRET=1
 
 
 def _gate_up(m, i, seed):
@@ -149,6 +154,57 @@ def part_oracle(rows_out):
         print(r)
 
 
+def part_mxfp4(rows_out):
+    """The routed experts (routed_experts_forward: gate_up GEMM, SwiGLU-quant, down GEMM) at widths
+    no check script runs - H 2880 / 1056 and I 160 / 224 / 96, besides the V4-like 4096 x 512 - in
+    each byte order that takes them, T = 1, 5, 40, 300 (decode swap bodies, split-K, 32/64-row
+    blocks, tiles), against the reference on the CPU under the layer's tolerance recipe."""
+    from dsv4_moe import reference as ref
+    from dsv4_moe.kernels.routed_experts import routed_experts_forward
+    from dsv4_moe.testing import assert_bf16_close, bf16_diff_stats
+    from dsv4_moe.weights.tensors import RoutedExpertWeights
+    print("== routed experts at unusual widths against the reference; ptxas:",
+          os.environ.get("TRITON_PTXAS_PATH", "Triton's bundled"))
+    e, k = 8, 6
+    for h, i in MXFP4_SHAPES:
+        g = torch.Generator().manual_seed(h + i)
+        gu = torch.randint(0, 256, (e, 2 * i, h // 2), dtype=torch.uint8, generator=g)
+        gus = torch.randint(118, 125, (e, 2 * i, h // 32), dtype=torch.uint8, generator=g).view(torch.float8_e8m0fnu)
+        dn = torch.randint(0, 256, (e, h, i // 2), dtype=torch.uint8, generator=g)
+        dns = torch.randint(118, 125, (e, h, i // 32), dtype=torch.uint8, generator=g).view(torch.float8_e8m0fnu)
+        base = RoutedExpertWeights(gu, gus, dn, dns, first_expert=1, num_experts=e + 2)
+        for layout in ("nk", "mma64", "mma64e"):
+            try:
+                routed = base.with_layout(layout)
+                routed_dev = RoutedExpertWeights(routed.gate_up.to(DEV), routed.gate_up_scale.to(DEV),
+                                                 routed.down.to(DEV), routed.down_scale.to(DEV), routed.first_expert,
+                                                 routed.num_experts, routed.layout)
+            except Exception as ex:  # noqa: BLE001 - a layout that does not take these widths
+                print(f"{h:>5} {i:>4} {layout:<7} n/a ({type(ex).__name__}: {str(ex)[:100]})")
+                continue
+            for t in MXFP4_TOKENS:
+                x = torch.randn(t, h, generator=g).bfloat16() * 4
+                q, sa = ref.act_quant(x)
+                ids = torch.stack([torch.randperm(e + 2, generator=g)[:k] for _ in range(t)]).sort(1).values
+                tw = torch.rand(t, k, generator=g)
+                local = ref.local_mask(ids, 1, e)
+                r = dict(part="mxfp4", H=h, I=i, layout=layout, T=t)
+                try:
+                    y = routed_experts_forward(q.to(DEV), sa.to(DEV), tw.to(DEV), ids.to(DEV), routed_dev, 10.0).cpu()
+                    yr = ref.routed_forward(q, sa, tw, ids, base, 10.0)
+                    r.update(bf16_diff_stats(y[local], yr[local]))
+                    try:
+                        assert_bf16_close(y[local], yr[local], "layer", "routed", t=t)
+                        r["ok"] = True
+                    except AssertionError as ex:
+                        r["ok"], r["why"] = False, str(ex)[:200]
+                except Exception as ex:  # noqa: BLE001 - reported
+                    r["ok"], r["why"] = False, f"{type(ex).__name__}: {str(ex)[:200]}"
+                rows_out.append(r)
+                print(f"{h:>5} {i:>4} {layout:<7} T={t:<4} ok={r['ok']} mismatch={r.get('mismatch_frac', -1):.4f} "
+                      f"max_ulp={r.get('max_ulp', -1)} rel_l2={r.get('rel_l2', -1):.2e} {r.get('why', '')}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="swiglu,fp8,oracle")
@@ -160,7 +216,7 @@ def main():
         if p == "swiglu":
             part_swiglu(rows, widths)
         else:
-            {"fp8": part_fp8, "oracle": part_oracle}[p](rows)
+            {"fp8": part_fp8, "oracle": part_oracle, "mxfp4": part_mxfp4}[p](rows)
     out = os.environ.get("OUT", ".")
     with open(os.path.join(out, "probe_native_bounds.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", commit=os.environ.get("DSV4_MOE_GIT_COMMIT"), rows=rows),
