@@ -53,8 +53,9 @@ PERSISTENT_MIN_ELEMENTS = 1 << 20
 # docs/bench/2026-11-30/session35/probe_native_bounds_*.txt): the persistent kernel wrote wrong
 # codes at odd columns (every quant group, the scales right) for I = 136, 152, 200, 216 and 1000
 # (I % 16 == 8) at 4 and 40 rows, under 1, 2 or 4 warps with 16- or 32-row tiles (not under 8 warps
-# or with 4- or 1-row tiles); right for I % 16 in (0, 4) (100, 144, 176, 192, 196, 208, 256, 384, 1008) and in the group and rows kernels,
-# which run the same tile code (_swiglu_load / _swiglu_compute_store), and in the interpreter. The
+# or with 4- or 1-row tiles); right for I % 16 in (0, 4) (100, 144, 176, 192, 196, 208, 256, 384,
+# 1008) and in the group and rows kernels, which run the same tile code (_swiglu_load /
+# _swiglu_compute_store), and in the interpreter. The
 # same kernel assembled by the CUDA 13.0 toolkit's ptxas (TRITON_PTXAS_PATH) was right at every
 # width and layout (probe_swiglu_ptxas13_*.txt): a fault of the ptxas 12.8 that Triton 3.6 bundles.
 # So the persistent grid is taken only for I % PERSISTENT_I_MULTIPLE == 0 (every DeepSeek-V4

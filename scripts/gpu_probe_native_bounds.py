@@ -91,7 +91,8 @@ def part_swiglu(rows_out, widths=WIDTHS):
                 name = strat + (f" w{cfg[0]} bm{cfg[1]}" if cfg else "")
                 where = err or (f"odd {dq['odd']} even {dq['even']} groups {dq['groups']} first {dq['first']} "
                                 f"got {dq['got']:#04x} want {dq['want']:#04x}" if dq.get("n") else "")
-                print(f"{i:>5} {m:>3} {name:<18} {dq.get('n', -1):>6}/{dq.get('of', 0):<7} {ds.get('n', -1):>8}  {where}")
+                print(f"{i:>5} {m:>3} {name:<18} {dq.get('n', -1):>6}/{dq.get('of', 0):<7} "
+                      f"{ds.get('n', -1):>8}  {where}")
                 rows_out.append(dict(part="swiglu", I=i, M=m, strategy=name, codes=dq, scales=ds, error=err))
 
 
@@ -121,7 +122,8 @@ def part_fp8(rows_out):
         r = dict(part="fp8", M=m, N=n, K=k, split=split, kind=kind, differ=float((ulp > 0).float().mean()),
                  max_ulp=int(ulp.max()), max_rel_mag=float(d.max()))
         rows_out.append(r)
-        print(f"{m:>5} {n:>5} {k:>5} {str(split):>5} {kind:<10} {r['differ']:>8.4f} {r['max_ulp']:>8} {r['max_rel_mag']:>12.3e}")
+        print(f"{m:>5} {n:>5} {k:>5} {str(split):>5} {kind:<10} {r['differ']:>8.4f} {r['max_ulp']:>8} "
+              f"{r['max_rel_mag']:>12.3e}")
 
 
 def part_oracle(rows_out):
@@ -219,8 +221,8 @@ def main():
             {"fp8": part_fp8, "oracle": part_oracle, "mxfp4": part_mxfp4}[p](rows)
     out = os.environ.get("OUT", ".")
     with open(os.path.join(out, "probe_native_bounds.json"), "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", commit=os.environ.get("DSV4_MOE_GIT_COMMIT"), rows=rows),
-                  f, indent=1)
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        json.dump(dict(device=device, commit=os.environ.get("DSV4_MOE_GIT_COMMIT"), rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
