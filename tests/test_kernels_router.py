@@ -1,4 +1,7 @@
-"""route_topk (kernels/router.py) vs dsv4_moe.reference.route under TRITON_INTERPRET=1.
+"""route_topk (kernels/router.py) vs dsv4_moe.reference.route: under TRITON_INTERPRET=1 on the
+CPU, natively on a GPU host (DEV: the inputs are made on the CPU, the kernels run on DEV; the
+reference runs on DEV where it must share the device's softplus / sqrt bits, on the CPU
+elsewhere).
 
 The reference sums logits in float64 (correctly rounded), the kernel path in fp32, so
 scores can differ in the last bits: ids must match except on (near-)ties, which are
@@ -14,7 +17,8 @@ import torch  # noqa: E402
 from dsv4_moe import reference as ref  # noqa: E402
 from dsv4_moe.kernels.router import gemv_blocks, mma_blocks, route_topk, router_logits_gemv, router_logits_mma  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not _triton_interp.INTERPRETING, reason=_triton_interp.NATIVE_SKIP_REASON)
+# the kernels' device: the GPU when Triton runs natively, else the CPU (interpreter)
+DEV = torch.device("cpu" if _triton_interp.INTERPRETING else "cuda")
 
 SCALE = 1.5
 
@@ -24,7 +28,7 @@ def _inputs(t, h, e, seed):
     x = torch.randn(t, h, generator=g).bfloat16()
     w = (torch.randn(e, h, generator=g) * 0.05).bfloat16()
     bias = torch.randn(e, generator=g) * 0.1
-    return x, w, bias
+    return x.to(DEV), w.to(DEV), bias.to(DEV)
 
 
 @pytest.mark.parametrize("logits_impl", ["mm", "gemv", "mma"])
@@ -32,8 +36,9 @@ def _inputs(t, h, e, seed):
 def test_biased_topk_vs_reference(t, e, k, logits_impl):
     x, w, bias = _inputs(t, 256, e, t + e)
     tw, ids = route_topk(x, w, bias, None, None, k, SCALE, logits_impl=logits_impl)
-    rw, rids = ref.route(x, w, bias, None, None, k, SCALE)
     assert ids.dtype == torch.int32 and tw.dtype == torch.float32
+    tw, ids, x, w, bias = tw.cpu(), ids.cpu(), x.cpu(), w.cpu(), bias.cpu()
+    rw, rids = ref.route(x, w, bias, None, None, k, SCALE)
     assert torch.equal(ids, ids.sort(1).values), "ids must be ascending per token"
     mism = (ids.long() != rids).any(1)
     # a mismatch is allowed only where the k-th and (k+1)-th biased scores tie within fp32 noise
@@ -52,7 +57,7 @@ def test_exact_scores_bitwise():
     x, _, bias = _inputs(t, 64, e, 0)
     w = torch.zeros(e, 64)
     w[torch.arange(e), torch.arange(e)] = 1.0
-    w = w.bfloat16()
+    w = w.bfloat16().to(DEV)
     tw, ids = route_topk(x, w, bias, None, None, k, SCALE)
     rw, rids = ref.route(x, w, bias, None, None, k, SCALE)
     assert torch.equal(ids.long(), rids) and torch.equal(tw, rw)
@@ -63,8 +68,8 @@ def test_hash_routing_vs_reference(logits_impl):
     t, e, k, vocab = 7, 16, 6, 50
     x, w, _ = _inputs(t, 128, e, 3)
     g = torch.Generator().manual_seed(5)
-    tid2eid = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(vocab)])  # unsorted rows
-    input_ids = torch.randint(0, vocab, (t,), generator=g)
+    tid2eid = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(vocab)]).to(DEV)  # unsorted rows
+    input_ids = torch.randint(0, vocab, (t,), generator=g).to(DEV)
     tw, ids = route_topk(x, w, None, tid2eid, input_ids, k, SCALE, logits_impl=logits_impl)
     rw, rids = ref.route(x, w, None, tid2eid, input_ids, k, SCALE)
     assert torch.equal(ids.long(), rids)
@@ -86,7 +91,7 @@ def test_guards():
     with pytest.raises(ValueError, match="bias"):
         route_topk(x, w, bias.double(), None, None, 2, SCALE)
     with pytest.raises(ValueError, match="input_ids"):
-        route_topk(x, w, None, torch.zeros(10, 2, dtype=torch.long), None, 2, SCALE)
+        route_topk(x, w, None, torch.zeros(10, 2, dtype=torch.long, device=DEV), None, 2, SCALE)
 
 
 @pytest.mark.parametrize("t,e,h,wdtype", [(1, 256, 512, torch.bfloat16), (11, 15, 200, torch.bfloat16),
@@ -98,15 +103,16 @@ def test_logits_gemv(t, e, h, wdtype):
     g = torch.Generator().manual_seed(t * 100 + e)
     x = torch.randn(t, h, generator=g).bfloat16()
     w = (torch.randn(e, h, generator=g) * 0.05).bfloat16().to(wdtype)
-    got = router_logits_gemv(x, w)
+    got = router_logits_gemv(x.to(DEV), w.to(DEV))
+    assert got.dtype == torch.float32 and got.shape == (t, e) and got.device.type == DEV.type
+    got = got.cpu()
     exact = x.double() @ w.double().T
-    assert got.dtype == torch.float32 and got.shape == (t, e)
     bound = 4 * h * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)
     assert ((got.double() - exact).abs() <= bound).all()
     # exact sums (one-hot rows): bitwise
     w1 = torch.zeros(e, h, dtype=wdtype)
     w1[torch.arange(e), torch.arange(e) * 3 % h] = 2.0
-    assert torch.equal(router_logits_gemv(x, w1), x.float() @ w1.float().T)
+    assert torch.equal(router_logits_gemv(x.to(DEV), w1.to(DEV)).cpu(), x.float() @ w1.float().T)
 
 
 @pytest.mark.parametrize("t,e,h,blocks", [
@@ -125,19 +131,20 @@ def test_logits_mma(t, e, h, blocks):
     g = torch.Generator().manual_seed(t * 7 + e)
     x = torch.randn(t, h, generator=g).bfloat16()
     w = (torch.randn(e, h, generator=g) * 0.05).bfloat16()
-    got = router_logits_mma(x, w, blocks)
-    exact = x.double() @ w.double().T
+    xd, wd = x.to(DEV), w.to(DEV)
+    got = router_logits_mma(xd, wd, blocks)
     assert got.dtype == torch.float32 and got.shape == (t, e)
+    exact = x.double() @ w.double().T
     bound = 4 * h * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)
-    bad = (got.double() - exact).abs() > bound
+    bad = (got.cpu().double() - exact).abs() > bound
     assert not bad.any(), f"{int(bad.sum())} logits off the fp32 bound; first at {bad.nonzero()[0].tolist()}"
-    assert torch.equal(router_logits_mma(x, w, blocks), got)
-    assert int(tile_counters(x.device, 1).abs().sum()) == 0, "arrival counters not reset"
+    assert torch.equal(router_logits_mma(xd, wd, blocks), got)
+    assert int(tile_counters(xd.device, 1).abs().sum()) == 0, "arrival counters not reset"
     w1 = torch.zeros(e, h, dtype=torch.bfloat16)
     w1[torch.arange(e), torch.arange(e) * 5 % h] = 2.0
-    assert torch.equal(router_logits_mma(x, w1, blocks), x.float() @ w1.float().T)
+    assert torch.equal(router_logits_mma(xd, w1.to(DEV), blocks).cpu(), x.float() @ w1.float().T)
     # negative control: a gate row shifted by one column is far outside the bound
-    shifted = router_logits_mma(x, torch.roll(w, 1, dims=1), blocks)
+    shifted = router_logits_mma(xd, torch.roll(wd, 1, dims=1), blocks).cpu()
     assert ((shifted.double() - exact).abs() > bound).any()
 
 
@@ -148,10 +155,12 @@ def test_logits_mma_blocks_and_guards():
     assert mma_blocks(16, 384, 7168) == (32, 16, 128, 512, 14)
     assert mma_blocks(8, 256, 4096)[4] == 8
     with pytest.raises(ValueError, match="must be bfloat16"):
-        router_logits_mma(torch.randn(2, 128).bfloat16(), torch.randn(8, 128))
+        router_logits_mma(torch.randn(2, 128, device=DEV).bfloat16(), torch.randn(8, 128, device=DEV))
     with pytest.raises(ValueError, match="K_PER must be a multiple of BLOCK_K"):
-        router_logits_mma(torch.randn(2, 256).bfloat16(), torch.randn(8, 256).bfloat16(), (64, 16, 128, 192, 2))
-    assert router_logits_mma(torch.randn(0, 64).bfloat16(), torch.randn(8, 64).bfloat16()).shape == (0, 8)
+        router_logits_mma(torch.randn(2, 256, device=DEV).bfloat16(), torch.randn(8, 256, device=DEV).bfloat16(),
+                          (64, 16, 128, 192, 2))
+    assert router_logits_mma(torch.randn(0, 64, device=DEV).bfloat16(),
+                             torch.randn(8, 64, device=DEV).bfloat16()).shape == (0, 8)
 
 
 @pytest.mark.parametrize("t,e,h,impl,pairs", [
@@ -177,8 +186,8 @@ def test_act_quant_in_logits(t, e, h, impl, pairs):
     assert torch.equal(got[2].view(torch.uint8), want[0].view(torch.uint8))
     for a, b in zip(got[3:], want[1:]):
         assert torch.equal(a, b)
-    q_ref, s_ref = ref.act_quant(x)
-    assert torch.equal(got[2].view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(got[3], s_ref)
+    q_ref, s_ref = ref.act_quant(x.cpu())
+    assert torch.equal(got[2].view(torch.uint8).cpu(), q_ref.view(torch.uint8)) and torch.equal(got[3].cpu(), s_ref)
     other = act_quant(torch.roll(x, 1, dims=0))[0]  # negative control
     assert t == 1 or not torch.equal(got[2].view(torch.uint8), other.view(torch.uint8))
 
@@ -202,12 +211,12 @@ def test_logits_gemv_blocks_cover_every_t():
         bt, be, bh, warps = gemv_blocks(t, h)
         assert be == 1 and bh >= h and bh < 2 * max(h, 64) and bt * bh <= 64 * 32 * warps, (t, h)
     assert gemv_blocks(4, 7168) == gemv_blocks(4) and gemv_blocks(1, 16384) == gemv_blocks(1)
-    x = torch.randn(0, 64).bfloat16()
-    assert router_logits_gemv(x, torch.randn(8, 64).bfloat16()).shape == (0, 8)
+    x = torch.randn(0, 64, device=DEV).bfloat16()
+    assert router_logits_gemv(x, torch.randn(8, 64, device=DEV).bfloat16()).shape == (0, 8)
 
 
 def test_impl_guards():
-    x, w, bias = _inputs(2, 64, 8, 0)
+    x, w, bias = (a.cpu() for a in _inputs(2, 64, 8, 0))   # the scores_impl refusal is about CPU tensors
     with pytest.raises(ValueError, match="logits_impl='fast'"):
         route_topk(x, w, bias, None, None, 2, SCALE, logits_impl="fast")
     with pytest.raises(ValueError, match="scores_impl='gpu'"):
@@ -241,6 +250,7 @@ def test_packed_selection_same_bits(monkeypatch, e, k, bias_kind):
             "zero-sum": torch.where(torch.arange(e) % 3 == 0, -scores[0], torch.tensor(-0.0))}[bias_kind]
     if bias_kind == "zero-sum":
         x = x[:1].expand(t, h).contiguous()  # every token the one whose scores the bias cancels
+    x, w, bias = x.to(DEV), w.to(DEV), bias.to(DEV)
     out = {}
     assert router.TOPK_PACKED and router.TOPK_PACKED_MAX_T >= t  # the default (session 25)
     for packed, warps in ((False, 0), (True, 0), (True, 1), (False, 1)):
@@ -281,6 +291,7 @@ def test_logits_gemv_prewait_same_bits(monkeypatch, t, e, h):
     g = torch.Generator().manual_seed(t * 7 + h)
     x = torch.randn(t, h, generator=g).bfloat16()
     w = (torch.randn(e, h, generator=g) * 0.05).bfloat16()
+    x, w = x.to(DEV), w.to(DEV)
     monkeypatch.setattr(router_mod, "GEMV_PREWAIT", False)
     want = router_logits_gemv(x, w)
     monkeypatch.setattr(router_mod, "GEMV_PREWAIT", True)
@@ -288,6 +299,7 @@ def test_logits_gemv_prewait_same_bits(monkeypatch, t, e, h):
     assert bh >= h and router_mod.gemv_prewait(t, h, bh)
     got = router_logits_gemv(x, w)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    x, w, got = x.cpu(), w.cpu(), got.cpu()
     exact = x.double() @ w.double().T
     assert ((got.double() - exact).abs() <= 4 * h * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)).all()
     assert not router_mod.gemv_prewait(2, 7168, 8192)            # Pro-shaped T = 2: slower, off
