@@ -297,7 +297,8 @@ def _topk_token(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out
     wsum = tl.sum(tl.where((rank == 0) & valid, sel_w, 0.0), axis=0)
     for r in tl.static_range(1, TOP_K):
         wsum += tl.sum(tl.where((rank == r) & valid, sel_w, 0.0), axis=0)
-    w = sel_w / wsum * scale
+    # div_rn: IEEE division, torch's `/` (Triton's default fp32 `/` is div.full.f32, up to 2 ulp off)
+    w = tl.math.div_rn(sel_w, wsum) * scale
     tl.store(out_ids_ptr + t * TOP_K + rank, sel_ids, mask=valid)
     tl.store(out_w_ptr + t * TOP_K + rank, w, mask=valid)
 
@@ -352,7 +353,7 @@ def _topk_tokens(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, ou
     wsum = tl.sum(tl.where((rank == 0) & valid[None, :], sel_w, 0.0), axis=1)
     for r in tl.static_range(1, TOP_K):
         wsum += tl.sum(tl.where((rank == r) & valid[None, :], sel_w, 0.0), axis=1)
-    w = sel_w / wsum[:, None] * scale
+    w = tl.math.div_rn(sel_w, wsum[:, None]) * scale
     dst = t64[:, None] * TOP_K + rank
     ok = t_ok[:, None] & valid[None, :]
     tl.store(out_ids_ptr + dst, sel_ids, mask=ok)

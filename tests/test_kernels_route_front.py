@@ -1,8 +1,9 @@
 """route_front (kernels/route_front.py): the decode front in one launch is bitwise the separate
 launches - the router's logits GEMV, the top-k kernel, act_quant and moe_align's one-program
-path - under TRITON_INTERPRET=1. The interpreter has no libdevice, so both sides select on
-the raw logits here (`_raw_logits=True` / the top-k kernel with APPLY_SCORES=False); the GPU
-check (scripts/gpu_check_layer.py) compares the real thing inside the layer.
+path. Under TRITON_INTERPRET=1 (no libdevice) both sides select on the raw logits
+(`_raw_logits=True` / the top-k kernel with APPLY_SCORES=False); natively on a GPU host (DEV)
+both apply sqrt(softplus) in the kernel, as the layer does. scripts/gpu_check_layer.py also
+compares the two inside the layer.
 """
 import _triton_interp  # noqa: F401  (sets TRITON_INTERPRET=1 on CPU; tests/ is on sys.path via conftest)
 
@@ -16,8 +17,9 @@ from dsv4_moe.kernels.route_front import FRONT_MAX_T, front_limits, route_front 
 from dsv4_moe.kernels.router import router_logits_gemv  # noqa: E402
 from dsv4_moe.kernels.split_k import tile_counters  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not _triton_interp.INTERPRETING, reason="interpreter-mode twin test (raw logits)")
 SCALE = 2.5
+RAW = _triton_interp.INTERPRETING            # the raw-logits selection exists only under the interpreter
+DEV = torch.device("cpu" if RAW else "cuda")
 
 
 def _separate(x, w, bias, tid2eid, input_ids, k, num_local, first, block_m, pairs):
@@ -26,15 +28,15 @@ def _separate(x, w, bias, tid2eid, input_ids, k, num_local, first, block_m, pair
 
     t, e = x.shape[0], w.shape[0]
     logits = router_logits_gemv(x, w)
-    tw = torch.empty(t, k)
-    ids = torch.empty(t, k, dtype=torch.int32)
+    tw = torch.empty(t, k, device=x.device)
+    ids = torch.empty(t, k, dtype=torch.int32, device=x.device)
     dummy = logits
     _route_topk_kernel[(t,)](logits, bias if bias is not None else dummy,
                              tid2eid if tid2eid is not None else dummy,
                              input_ids if input_ids is not None else dummy, tw, ids,
                              e, logits.stride(0), k if tid2eid is not None else 0, SCALE,
                              TOP_K=k, K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(e),
-                             HAS_BIAS=bias is not None, HASH=tid2eid is not None, APPLY_SCORES=False)
+                             HAS_BIAS=bias is not None, HASH=tid2eid is not None, APPLY_SCORES=not RAW)
     qs = act_quant(x, pairs=pairs)
     align = moe_align(ids, num_local, first, block_m, tw, impl="small")
     return tw, ids, qs[0], qs[1], (qs[2] if pairs else None), align
@@ -67,9 +69,11 @@ def test_front_bitwise_separate(monkeypatch, t, h, e, k, num_local, first, block
     bias = None if hashed else torch.randn(e, generator=g) * 0.1
     tid2eid = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(50)]).int() if hashed else None
     input_ids = torch.randint(0, 50, (t,), generator=g) if hashed else None
+    x, w = x.to(DEV), w.to(DEV)
+    bias, tid2eid, input_ids = (a if a is None else a.to(DEV) for a in (bias, tid2eid, input_ids))
     cnt = tile_counters(x.device, 1)
     got = route_front(x, w, bias, tid2eid, input_ids, k, SCALE, num_local=num_local, first_expert=first,
-                      block_m=block_m, pairs=pairs, _raw_logits=True)
+                      block_m=block_m, pairs=pairs, _raw_logits=RAW)
     exp = _separate(x, w, bias, tid2eid, input_ids, k, num_local, first, block_m, pairs)
     for name, a, b in zip(("topk_weights", "topk_ids", "q", "sa"), got[:4], exp[:4]):
         assert a.dtype == b.dtype and a.shape == b.shape, name
@@ -85,7 +89,7 @@ def test_front_bitwise_separate(monkeypatch, t, h, e, k, num_local, first, block
     assert int(cnt[0]) == 0, "the arrival counter must be left at 0 (next launch, graph replay)"
     # the selection really ran: ascending ids, weights summing to the scale
     assert torch.equal(got[1], got[1].sort(1).values)
-    assert torch.allclose(got[0].sum(1), torch.full((t,), SCALE), rtol=1e-6)
+    assert torch.allclose(got[0].sum(1).cpu(), torch.full((t,), SCALE), rtol=1e-6)
 
 
 def test_front_limits_and_errors():
@@ -94,17 +98,18 @@ def test_front_limits_and_errors():
     assert not ok and f"T = {FRONT_MAX_T + 1}" in why
     ok, why = front_limits(4, 6, 256, 16, hidden=200, pairs=True)
     assert not ok and "H % 128" in why
-    x = torch.randn(FRONT_MAX_T + 1, 128).bfloat16()
-    w = torch.randn(16, 128).bfloat16()
+    x = torch.randn(FRONT_MAX_T + 1, 128, device=DEV).bfloat16()
+    w = torch.randn(16, 128, device=DEV).bfloat16()
     with pytest.raises(ValueError, match="1 <= T <= "):
-        route_front(x, w, None, None, None, 2, 1.0, num_local=16, first_expert=0, block_m=16, _raw_logits=True)
+        route_front(x, w, None, None, None, 2, 1.0, num_local=16, first_expert=0, block_m=16, _raw_logits=RAW)
     with pytest.raises(ValueError, match="block_m=24"):
-        route_front(x[:1], w, None, None, None, 2, 1.0, num_local=16, first_expert=0, block_m=24, _raw_logits=True)
-    with pytest.raises(ValueError, match="_raw_logits=False"):
-        route_front(x[:1], w, None, None, None, 2, 1.0, num_local=16, first_expert=0, block_m=16)
+        route_front(x[:1], w, None, None, None, 2, 1.0, num_local=16, first_expert=0, block_m=24, _raw_logits=RAW)
+    with pytest.raises(ValueError, match=f"_raw_logits={not RAW}"):   # the other mode is refused
+        route_front(x[:1], w, None, None, None, 2, 1.0, num_local=16, first_expert=0, block_m=16,
+                    _raw_logits=not RAW)
     with pytest.raises(ValueError, match="_warps=3"):
         route_front(x[:1], w, None, None, None, 2, 1.0, num_local=16, first_expert=0, block_m=16,
-                    _raw_logits=True, _warps=3)
+                    _raw_logits=RAW, _warps=3)
     with pytest.raises(ValueError, match="x: expected a"):
         route_front(x[:1].float(), w, None, None, None, 2, 1.0, num_local=16, first_expert=0, block_m=16,
-                    _raw_logits=True)
+                    _raw_logits=RAW)
