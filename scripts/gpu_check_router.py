@@ -1,12 +1,14 @@
 """H200 check + probe of the decode front end: the router (kernels/router.py: in-kernel
 scores, the logits GEMV) and moe_align's one-launch decode kernel.
 
-    OUT=./out python3 scripts/gpu_check_router.py [--parts scores,ids,align,time,topk,align_warps,align_sorted] [--budget-s 200]
+    OUT=./out python3 scripts/gpu_check_router.py [--parts scores,renorm,ids,align,time,topk,align_warps,align_sorted] [--budget-s 200]
 
 scores  every fp32 bit pattern (2^32, in chunks): `_sqrt_softplus` (libdevice log1p/exp,
         IEEE sqrt) against torch.sqrt(F.softplus(x)) on the same GPU; must be bitwise
         (NaN payloads compared as "both NaN"). Then route_topk with scores in the kernel
         vs scores by torch, on the same logits: ids and weights bitwise.
+renorm  (session 36) one-hot gate rows (exact logits): the weights bitwise ref.route's on this GPU
+        wherever the ids agree, Flash / Pro shapes, biased and hash routing, T = 1-1024.
 ids     route_topk (auto: GEMV logits for T <= GEMV_MAX_T, tensor-core logits to MMA_MAX_T,
         in-kernel scores) against the reference on the CPU, Flash and Pro gate shapes, biased
         and hash routing: share of tokens whose ids differ, and whether each differing token
@@ -134,6 +136,33 @@ def check_ids():
             rhw, rhids = ref.route(x.cpu(), w.cpu(), None, tab.cpu(), ids_in.cpu(), 6, 1.5)
             emit(check="hash_vs_reference", shape=name, T=t, ids_equal=torch.equal(hids.cpu().long(), rhids),
                  w_rel=float(((hw.cpu() - rhw).abs() / rhw).max()))
+
+
+def check_renorm():
+    """Session 36: the weights given the same scores. One-hot gate rows make every logit an exact
+    bf16 value (x[t, j]), so the kernel's fp32 logits, scores and the reference's are the same;
+    where the ids agree (bf16 values tie often, and torch.topk need not take the lowest index)
+    the renormalised weights must be bitwise the reference's run on this GPU (IEEE division,
+    sum in ascending id order). Before session 36 the kernel divided with Triton's default fp32
+    `/` (div.full.f32)."""
+    g = torch.Generator(device=DEV).manual_seed(3)
+    for name, e, h in (("flash", 256, 4096), ("pro", 384, 7168)):
+        w = torch.zeros(e, h, device=DEV)
+        w[torch.arange(e), torch.arange(e)] = 1.0
+        w = w.bfloat16()
+        bias = torch.randn(e, device=DEV, generator=g) * 0.01
+        tab = torch.stack([torch.randperm(e)[:6] for _ in range(1000)]).to(DEV)
+        for t in (1, 3, 4, 8, 16, 64, 1024):
+            x = torch.randn(t, h, device=DEV, generator=g).bfloat16()
+            ids_in = torch.randint(0, 1000, (t,), device=DEV)
+            for kind, args in (("biased", (bias, None, None)), ("hash", (None, tab, ids_in))):
+                tw, ids = route_topk(x, w, *args, 6, 1.5)
+                rw, rids = ref.route(x, w, *args, 6, 1.5)
+                same = (ids.long() == rids).all(1)
+                w_diff = int((tw[same].view(torch.int32) != rw[same].view(torch.int32)).sum())
+                emit(check="renorm_bitwise", shape=name, kind=kind, T=t,
+                     logits="gemv" if t <= GEMV_MAX_T else "mma" if t <= MMA_MAX_T else "mm",
+                     tokens_ids_equal=int(same.sum()), of=t, weights_differing=w_diff, ok=w_diff == 0)
 
 
 def check_align():
@@ -354,7 +383,7 @@ def align_sorted(tokens=(1, 2, 4, 8, 10, 11, 12, 16, 21, 32, 42)):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="scores,ids,align,align_sorted,time")
+    ap.add_argument("--parts", default="scores,renorm,ids,align,align_sorted,time")
     ap.add_argument("--budget-s", type=float, default=200)
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64,256,1024", help="T of the timing part")
     args = ap.parse_args()
@@ -366,6 +395,8 @@ def main():
          commit=os.environ.get("DSV4_MOE_GIT_COMMIT", "?"))
     if "scores" in parts:
         check_scores()
+    if "renorm" in parts:
+        check_renorm()
     if "ids" in parts:
         check_ids()
     if "align" in parts:
