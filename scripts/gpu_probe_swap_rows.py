@@ -89,6 +89,11 @@ CANDIDATES = {
     "swap 32 4w s3 u2 nf": GemmConfig(32, 128, 4, 3, unroll=2, n_fastest=True, **SWAP),
     "swap 128x64 4w s3 u2 nf": GemmConfig(128, 64, 4, 3, unroll=2, n_fastest=True, **SWAP),
     "swap 64 4w s3 u2 r168 nf": GemmConfig(64, 128, 4, 3, unroll=2, maxnreg=168, n_fastest=True, **SWAP),
+    # session 36: ncu (Flash T=8192 gate_up) put "128x64 4w s3 u2 nf" at 213 KB of shared memory per
+    # program (1 per SM, 6 % occupancy) and "128x128 4w s2 nf" at 255 registers (2 per SM) - 39 % fewer
+    # instructions than the layer's 64-row body; 128 rows on 64 weight rows without the unroll fit 3
+    "swap 128x64 4w s2 nf": GemmConfig(128, 64, 4, 2, n_fastest=True, **SWAP),
+    "swap 128x64 4w s3 nf": GemmConfig(128, 64, 4, 3, n_fastest=True, **SWAP),
 }
 
 
