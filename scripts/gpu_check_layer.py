@@ -241,6 +241,9 @@ def main(argv=None) -> int:
                         "'mma64e' each T is also checked bitwise against the 'mma64' twin layer)")
     p.add_argument("--tokens", default="", help="comma-separated T list for the flash / pro-tp8 cases "
                                                   "(default: the full or --quick list)")
+    p.add_argument("--ref-tokens", default="1,4,16",
+                   help="comma-separated T at which the flash / pro-tp8 cases are also checked against the CPU "
+                        "reference (each must be in the checked T list; flash-nk keeps 1,16)")
     p.add_argument("--set", action="append", default=[],
                    help="MODULE.ATTR=V (repeatable), as bench_layer.py: module switches set before anything "
                         "is built, e.g. to check an opt-in path")
@@ -265,15 +268,19 @@ def main(argv=None) -> int:
             p.error(f"--tokens={args.tokens!r}: expected comma-separated ints")
         if any(t < 1 for t in tokens):
             p.error(f"--tokens={args.tokens!r}: every T must be >= 1")
+    try:
+        ref_tokens = [int(v) for v in args.ref_tokens.split(",") if v]
+    except ValueError:
+        p.error(f"--ref-tokens={args.ref_tokens!r}: expected comma-separated ints")
     # Pro at TP8 is run as the per-rank layer (I = 384) on its own: one GPU holds one rank,
     # and the cross-rank reduce is torch.distributed's (tested on CPU with gloo).
     pro_rank = MoEConfig.pro().replace(moe_intermediate_size=384, name="pro-tp8-rank")
     # "auto" takes the "mma64e" routed layout on CUDA; "flash-nk" keeps the checkpoint's
     # byte order (the GEMV / tile bodies of the fallback) at a few sizes.
-    cases = [("flash", MoEConfig.flash(), args.routed_layout, tokens, [1, 4, 16, 256]),
-             ("pro-tp8", pro_rank, args.routed_layout, tokens, [1, 4, 16, 256]),
-             ("flash-nk", MoEConfig.flash(), "nk", [1, 16, 256], [1, 16])]
-    for name, cfg, layout, toks, graph_toks in cases:
+    cases = [("flash", MoEConfig.flash(), args.routed_layout, tokens, [1, 4, 16, 256], ref_tokens),
+             ("pro-tp8", pro_rank, args.routed_layout, tokens, [1, 4, 16, 256], ref_tokens),
+             ("flash-nk", MoEConfig.flash(), "nk", [1, 16, 256], [1, 16], [1, 16])]
+    for name, cfg, layout, toks, graph_toks, ref_toks in cases:
         if name not in args.cases.split(","):
             continue
         if layout not in ("auto", "nk"):
@@ -282,7 +289,10 @@ def main(argv=None) -> int:
         w = random_layer_weights(cfg, layer_idx=5, seed=0, device=dev)
         print(f"{name}: synthetic weights in {time.time() - t0:.1f}s", flush=True)
         if not args.front_only:
-            check_layer(name, cfg, w, rows, toks, ref_tokens=[1, 4, 16], graph_tokens=graph_toks,
+            missing = sorted(set(ref_toks) - set(toks))
+            if missing:
+                p.error(f"--ref-tokens: T={missing} not among the checked T {toks} of case {name!r}")
+            check_layer(name, cfg, w, rows, toks, ref_tokens=ref_toks, graph_tokens=graph_toks,
                         routed_layout=layout)
         del w
         torch.cuda.empty_cache()

@@ -1,4 +1,6 @@
-"""mxfp4_grouped_gemm and routed_experts_forward under TRITON_INTERPRET=1 vs the reference.
+"""mxfp4_grouped_gemm and routed_experts_forward vs the reference: under TRITON_INTERPRET=1 on
+the CPU, natively on a GPU host (DEV: inputs are made on the CPU, every kernel-launching call
+runs on DEV through `_native`, results come back to the CPU for the checks).
 
 The kernel folds the per-32 weight scale into bf16 weights and sums each 128-wide
 activation block in one MMA (fp32 operands under the interpreter, whose bf16 dot is
@@ -6,6 +8,11 @@ broken), then rounds to bf16 with RNE on the bits (the interpreter's cast trunca
 the bound below (<= 0.1 % of elements, each <= 1 bf16 ulp) leaves room only for an
 in-block summation-order flip. Negative controls show the
 same bound catches swapped nibbles and a scale off by one 32-group.
+
+On CUDA the folded swap body (fold_sa) exists only on "mma64"/"mma64e" weights with the PTX
+dequantisation (the body whose SASS is hazard-checked; other folded swap launches are refused),
+so `_native` runs a folded swap launch given "nk" weights on `to_mma64(w)` with asm=True: the
+"mma64" bodies compute the "nk" bodies' bits (test_mma64_bodies_bitwise_nk, native too).
 """
 import _triton_interp  # noqa: F401  (sets TRITON_INTERPRET=1 where there is no GPU; must precede triton)
 
@@ -20,8 +27,79 @@ from dsv4_moe.kernels.moe_align import moe_align  # noqa: E402
 from dsv4_moe.kernels.mxfp4_grouped_gemm import GemmConfig, mxfp4_grouped_gemm, select_config  # noqa: E402
 from dsv4_moe.kernels.routed_experts import routed_experts_forward  # noqa: E402
 from dsv4_moe.weights.tensors import RoutedExpertWeights  # noqa: E402
+from dsv4_moe.kernels.act_quant import act_quant as _act_quant  # noqa: E402
+from dsv4_moe.kernels.finalize import finalize_shared_add as _fsa, finalize_split_shared_add as _fssa  # noqa: E402
+from dsv4_moe.kernels.swiglu_quant import swiglu_quant as _sq, swiglu_quant_unfused as _squ  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not _triton_interp.INTERPRETING, reason=_triton_interp.NATIVE_SKIP_REASON)
+# the kernels' device: the GPU when Triton runs natively, else the CPU (interpreter)
+DEV = torch.device("cpu" if _triton_interp.INTERPRETING else "cuda")
+
+
+def _to(obj, dev):
+    """obj with every tensor (in tuples, lists, dicts and dataclass fields) on dev."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dev)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to(o, dev) for o in obj)
+    if isinstance(obj, dict):
+        return {key: _to(v, dev) for key, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        moved = {f.name: _to(getattr(obj, f.name), dev) for f in dataclasses.fields(obj)
+                 if isinstance(getattr(obj, f.name), torch.Tensor)}
+        return dataclasses.replace(obj, **moved) if moved else obj
+    return obj
+
+
+def _folded_swap_on_cuda(cfg):
+    return DEV.type == "cuda" and cfg is not None and cfg.kind == "swap" and cfg.fold_sa
+
+
+def _cuda_fold_args(args, kwargs):
+    """mxfp4_grouped_gemm's arguments with a folded swap launch on "nk" weights moved to the one
+    body CUDA runs (see the module docstring): to_mma64(w4), layout "mma64", asm=True."""
+    from dsv4_moe.weights.mma_layout import to_mma64
+
+    cfg = kwargs.get("config")
+    if not _folded_swap_on_cuda(cfg) or kwargs.get("layout", "nk") != "nk":
+        return args, kwargs
+    args = list(args)
+    args[2] = to_mma64(args[2])
+    return tuple(args), dict(kwargs, layout="mma64", config=dataclasses.replace(cfg, asm=True))
+
+
+def _cuda_fold_forward(args, kwargs):
+    """routed_experts_forward's arguments, likewise: "nk" experts as "mma64" when a given config
+    is a folded swap one, every swap config then with asm=True."""
+    configs = kwargs.get("configs")
+    if configs is None or not any(_folded_swap_on_cuda(c) for c in configs) or args[4].layout != "nk":
+        return args, kwargs
+    args = list(args)
+    args[4] = args[4].with_layout("mma64")
+    configs = tuple(dataclasses.replace(c, asm=True) if c.kind == "swap" else c for c in configs)
+    return tuple(args), dict(kwargs, configs=configs)
+
+
+def _native(fn, adapt=None):
+    """fn run on DEV: tensor arguments moved there, tensor results moved back to the CPU."""
+    if DEV.type == "cpu":
+        return fn
+
+    def run(*args, **kwargs):
+        if adapt is not None:
+            args, kwargs = adapt(args, kwargs)
+        return _to(fn(*_to(args, DEV), **_to(kwargs, DEV)), torch.device("cpu"))
+    run.__name__ = run.__qualname__ = fn.__name__
+    return run
+
+
+moe_align = _native(moe_align)
+mxfp4_grouped_gemm = _native(mxfp4_grouped_gemm, _cuda_fold_args)
+routed_experts_forward = _native(routed_experts_forward, _cuda_fold_forward)
+act_quant = _native(_act_quant)
+swiglu_quant = _native(_sq)
+swiglu_quant_unfused = _native(_squ)
+finalize_shared_add = _native(_fsa)
+finalize_split_shared_add = _native(_fssa)
 
 MAX_FRAC, MAX_ULP = 1e-3, 1
 
@@ -167,7 +245,6 @@ def test_split_gate_up_partials_summed_in_swiglu_bitwise(monkeypatch, fold):
     swiglu_quant path and the unfused twin's, with a route to another rank's expert. Both
     partial forms: one per 128-block (4 here) and, with fold_sa, one per split (2)."""
     import dsv4_moe.kernels.routed_experts as re_mod
-    from dsv4_moe.kernels.act_quant import act_quant
     from dsv4_moe.kernels.mxfp4_grouped_gemm import split_parts
 
     e, h, i, k, t = 6, 512, 128, 3, 2
@@ -193,8 +270,6 @@ def test_split_down_partials_summed_in_finalize_bitwise(fold):
     fp32 partials [P, T, k, H] to finalize_split_shared_add, which gives bit for bit the reduce
     launch + finalize_shared_add result, with a route to another rank's expert; the partials'
     in-order sum rounds to exactly the y the reduce launch writes. An unsplit down refuses."""
-    from dsv4_moe.kernels.act_quant import act_quant
-    from dsv4_moe.kernels.finalize import finalize_shared_add, finalize_split_shared_add
     from dsv4_moe.kernels.mxfp4_grouped_gemm import split_parts
 
     e, h, i, k, t = 6, 256, 512, 3, 2
@@ -519,7 +594,6 @@ def test_mma64e_bodies_bitwise_mma64(kind, bm, bn, split, fold):
     """The bodies on "mma64e" weights (decoded in the kernel before the unswizzle on this
     path; by the PTX on the GPU) give the "mma64" bodies' bits, gate_up (gathered) and the
     short-K down (scattered, K = 384)."""
-    from dsv4_moe.kernels.act_quant import act_quant
     from dsv4_moe.weights.mma_layout import to_mma64, to_mma64e
 
     w, s, q, sa, ids = _mma64_case(5)
@@ -840,9 +914,7 @@ def test_bf16_activations_bitwise(layout, kind):
 def test_a_pairs_from_act_quant_bitwise():
     """`a_pairs`: the bf16 pairs written by act_quant (pairs=True) and swiglu_quant give the
     GEMM the same operand as its own conversion (bitwise); misuse is named."""
-    from dsv4_moe.kernels.act_quant import act_quant
     from dsv4_moe.kernels.mxfp4_grouped_gemm import bf16_pairs
-    from dsv4_moe.kernels.swiglu_quant import swiglu_quant
 
     w, s, _, _, ids = _mma64_case(7, n=128)
     e, (t, k) = w.shape[0], ids.shape
@@ -879,9 +951,7 @@ def test_scaled_pairs_from_quantisers_bitwise():
     reference twin write bf16(q * s) in the pairs layout, exactly `bf16_pairs(q, s)`; the
     argument is validated."""
     from dsv4_moe import stages
-    from dsv4_moe.kernels.act_quant import act_quant
     from dsv4_moe.kernels.mxfp4_grouped_gemm import bf16_pairs
-    from dsv4_moe.kernels.swiglu_quant import swiglu_quant, swiglu_quant_unfused
 
     g = torch.Generator().manual_seed(31)
     x = torch.randn(5, 384, generator=g).bfloat16() * torch.tensor([1e-3, 1.0, 30.0]).repeat_interleave(128)
@@ -919,7 +989,6 @@ def test_fold_sa_vs_reference(kind, a_bf16, split, bm, warps):
     route never written), in the same bound as every body; the wrapper's own scaled pairs
     equal act_quant's (bitwise); the bound still rejects a scale off by one 32-group. Also the
     64-row swap blocks: 8 warps (probed), 4 warps (the layer's prefill config since session 18)."""
-    from dsv4_moe.kernels.act_quant import act_quant
 
     g = torch.Generator().manual_seed(41)
     e, t, k, h, n = 8, 5, 3, 384, 128
@@ -959,7 +1028,6 @@ def test_fold_sa_guards_and_routed_configs(monkeypatch):
     at most SPLIT_ORDER_MAX_BLOCKS K blocks, else "wait"); DSV4_MOE_FOLD_SWAP=0 keeps the
     swap GEMMs per-block."""
     from dsv4_moe.kernels import routed_experts as rx
-    from dsv4_moe.kernels.act_quant import act_quant
     from dsv4_moe.weights.tensors import RoutedExpertWeights
 
     with pytest.raises(ValueError, match="fold_sa=True needs kind 'swap' or 'tile'"):
