@@ -55,16 +55,18 @@ def _folded_swap_on_cuda(cfg):
 
 
 def _cuda_fold_args(args, kwargs):
-    """mxfp4_grouped_gemm's arguments with a folded swap launch on "nk" weights moved to the one
-    body CUDA runs (see the module docstring): to_mma64(w4), layout "mma64", asm=True."""
+    """mxfp4_grouped_gemm's arguments with a folded swap launch moved to the one body CUDA runs
+    (see the module docstring): asm=True, and "nk" weights as to_mma64(w4), layout "mma64"."""
     from dsv4_moe.weights.mma_layout import to_mma64
 
     cfg = kwargs.get("config")
-    if not _folded_swap_on_cuda(cfg) or kwargs.get("layout", "nk") != "nk":
+    if not _folded_swap_on_cuda(cfg):
         return args, kwargs
-    args = list(args)
-    args[2] = to_mma64(args[2])
-    return tuple(args), dict(kwargs, layout="mma64", config=dataclasses.replace(cfg, asm=True))
+    kwargs = dict(kwargs, config=dataclasses.replace(cfg, asm=True))
+    if kwargs.get("layout", "nk") == "nk":
+        args = (*args[:2], to_mma64(args[2]), *args[3:])
+        kwargs["layout"] = "mma64"
+    return args, kwargs
 
 
 def _cuda_fold_forward(args, kwargs):
@@ -93,6 +95,7 @@ def _native(fn, adapt=None):
 
 
 moe_align = _native(moe_align)
+_mxfp4_grouped_gemm = mxfp4_grouped_gemm          # unwrapped: for the CUDA guard's own test
 mxfp4_grouped_gemm = _native(mxfp4_grouped_gemm, _cuda_fold_args)
 routed_experts_forward = _native(routed_experts_forward, _cuda_fold_forward)
 act_quant = _native(_act_quant)
@@ -1115,7 +1118,7 @@ def test_folded_swap_refused_off_the_checked_body(monkeypatch):
     a = moe_align(torch.tensor([[0, 1], [1, 3]], dtype=torch.int32), 4, 0, 16)
     with pytest.raises(ValueError, match=r"fold_sa=True on the swap body needs layout 'mma64' or 'mma64e' and asm=True on "
                                          r"CUDA \(got layout='nk', asm=True\)"):
-        mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False,
+        _mxfp4_grouped_gemm(q, sa, w, s, a, gather_a=True, scatter_out=False,
                            config=GemmConfig(16, 128, kind="swap", asm=True, fold_sa=True))
 
 
