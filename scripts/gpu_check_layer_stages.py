@@ -1,0 +1,183 @@
+"""Where the GPU layer and the CPU reference part: every stage of the layer's own path against
+the reference fed that stage's GPU inputs (H200).
+
+    OUT=./out python scripts/gpu_check_layer_stages.py --case pro-tp8 --tokens 4096
+
+The layer and its inputs are gpu_check_layer.py's (synthetic layer 5, seed 0; x and input_ids
+of seed T). For each T:
+  * routing: the GPU router's ids (tokens that differ from the reference's, near-ties among them)
+  * act_quant: q, sa bitwise the reference's
+  * routed gate_up (the layer's config and layout): each route's row against ref.fp4_gemm of the
+    same q, sa (recipe "fp4_gemm")
+  * SwiGLU-quant: the GPU's h codes and scales bitwise ref.swiglu_quant of the GPU's gate_up rows
+  * routed down: each route's row against ref.fp4_gemm of the GPU's h (recipe "fp4_gemm")
+  * the stages above compose to routed_experts_forward's y (bitwise), and finalize + shared add
+    of y and the GPU's shared output equals the layer's output (bitwise)
+  * shared expert: against ref.shared_forward on the same q, sa (recipe "layer": two GEMMs and a
+    requantisation)
+  * the amplification: how many SwiGLU-quant scales of the GPU differ from those the reference
+    computes from its own gate_up (a 1-ulp gate_up difference at a group's absmax can double a
+    UE8M0 scale, which requantises all 128 codes of the group), and the largest layer differences
+    with, for each, the number of its routes whose h scales or codes differ.
+Writes $OUT/gpu_check_layer_stages.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_check_layer import _inputs, _route_differences  # noqa: E402
+
+from dsv4_moe import DeepseekV4MoE, MoEConfig, dispatch, reference as ref  # noqa: E402
+from dsv4_moe.kernels.act_quant import act_quant  # noqa: E402
+from dsv4_moe.kernels.finalize import finalize_shared_add  # noqa: E402
+from dsv4_moe.kernels.moe_align import moe_align  # noqa: E402
+from dsv4_moe.kernels.mxfp4_grouped_gemm import mxfp4_grouped_gemm  # noqa: E402
+from dsv4_moe.kernels.routed_experts import pairs_mode, routed_configs, routed_experts_forward  # noqa: E402
+from dsv4_moe.kernels.swiglu_quant import swiglu_quant  # noqa: E402
+from dsv4_moe.testing import TOLERANCES, bf16_diff_stats, random_layer_weights  # noqa: E402
+
+
+def _fmt(st: dict) -> str:
+    return f"{st['mismatch_frac'] * 100:.3f}% differ, max {st['max_ulp']:.0f} ulp, rel L2 {st['rel_l2']:.2e}"
+
+
+def _within(st: dict, recipe: str) -> bool:
+    tol = TOLERANCES[recipe]
+    return (st["mismatch_frac"] <= tol.max_mismatch_frac and st["max_ulp"] <= tol.max_ulp
+            and st["rel_l2"] <= tol.max_rel_l2)
+
+
+def _bits(a: torch.Tensor) -> torch.Tensor:
+    return a.contiguous().view(torch.uint8) if a.element_size() == 1 else a.contiguous().view(torch.int16 if a.element_size() == 2 else torch.int32)
+
+
+def check(cfg: MoEConfig, weights, t: int, rows: list[dict], name: str, dev: torch.device) -> None:
+    layer = DeepseekV4MoE(cfg, weights)
+    k, limit = cfg.num_experts_per_tok, cfg.swiglu_limit
+    x, ids = _inputs(cfg, t, t, dev)
+    wc = weights.to("cpu")
+    rc = wc.routed.with_layout("nk")
+
+    def add(check_name, ok, detail):
+        rows.append({"case": name, "check": check_name, "T": t, "ok": bool(ok), "detail": detail})
+        print(f"{name:10s} T={t:5d} {check_name:34s} {'ok ' if ok else 'BAD'} {detail}", flush=True)
+
+    with torch.no_grad():
+        out = layer(x, ids)
+        ctx = layer.context(t)
+        ties, off_tie = _route_differences(layer, x, ids, wc, cfg)
+        add("routing vs reference", not off_tie, f"{len(ties)} tokens on a near-tie routed otherwise {ties[:8]}, "
+                                                 f"{len(off_tie)} off a tie {off_tie[:8]}")
+        tw, tid = dispatch.select("router", ctx).impl(x, layer.router, ids, k, cfg.routed_scaling_factor)
+        q, sa = act_quant(x)
+        rq, rsa = ref.act_quant(x.cpu())
+        add("act_quant bitwise", torch.equal(_bits(q.cpu()), _bits(rq)) and torch.equal(sa.cpu(), rsa), "")
+        r = layer.routed
+        up, down = routed_configs(t * k, r)
+        align = moe_align(tid, r.num_local, r.first_expert, up.block_m, tw)
+        gu = mxfp4_grouped_gemm(q, sa, r.gate_up, r.gate_up_scale, align, gather_a=True, scatter_out=False,
+                                config=up, layout=r.layout)
+        hq, hs, *hp = swiglu_quant(gu, limit=float(limit), route_weight=align.row_weight, pairs=pairs_mode(down),
+                                   rows=align.route_rows)
+        y = mxfp4_grouped_gemm(hq, hs, r.down, r.down_scale, align, gather_a=False, scatter_out=True, config=down,
+                               layout=r.layout, a_pairs=hp[0] if hp else None,
+                               a_pairs_scaled=bool(hp) and down.fold_sa).view(t, k, -1)
+        y_fwd = routed_experts_forward(q, sa, tw, tid, r, limit)
+        add("stages == routed_experts_forward", torch.equal(_bits(y), _bits(y_fwd)), f"configs {up} / {down}")
+        shared = layer.shared_experts.forward_quantised(q, sa, ctx)
+        fin = finalize_shared_add(y, tid, r.first_expert, r.num_local, shared)
+        add("finalize(stages) == layer output", torch.equal(_bits(fin), _bits(out)), "")
+        t0 = time.time()
+        qc, sac, guc, hqc, hsc, yc = q.cpu(), sa.cpu(), gu.cpu(), hq.cpu(), hs.cpu(), y.cpu().view(t * k, -1)
+        rr = align.route_rows.cpu().long()
+        flat = tid.cpu().long().flatten()
+        twf = tw.cpu().flatten()
+        got_gu, ref_gu, got_h, ref_h, got_y, ref_y = [], [], [], [], [], []
+        scale_flips = torch.zeros(t * k, dtype=torch.long)   # per route: h scales differing from the full reference's
+        code_flips = torch.zeros(t * k, dtype=torch.long)
+        for e in range(r.num_local):
+            routes = torch.nonzero(flat == e + r.first_expert).flatten()
+            if not routes.numel():
+                continue
+            toks, grow = routes // k, rr[routes]
+            g_ref = ref.fp4_gemm(qc[toks], sac[toks], rc.gate_up[e], rc.gate_up_scale[e])
+            got_gu.append(guc[grow])
+            ref_gu.append(g_ref)
+            h_ref_q, h_ref_s = ref.swiglu_quant(guc[grow], limit, twf[routes])     # on the GPU's gate_up
+            got_h.append(torch.cat([_bits(hqc[grow]).float(), hsc[grow]], 1))
+            ref_h.append(torch.cat([_bits(h_ref_q).float(), h_ref_s], 1))
+            full_q, full_s = ref.swiglu_quant(g_ref, limit, twf[routes])           # the reference's own
+            scale_flips[routes] = (full_s != hsc[grow]).sum(1)
+            code_flips[routes] = (_bits(full_q) != _bits(hqc[grow])).sum(1)
+            got_y.append(yc[routes])
+            ref_y.append(ref.fp4_gemm(hqc[grow], hsc[grow], rc.down[e], rc.down_scale[e]))
+        st = bf16_diff_stats(torch.cat(got_gu), torch.cat(ref_gu))
+        add("gate_up vs ref (same q, sa)", _within(st, "fp4_gemm"), _fmt(st))
+        same_h = torch.equal(torch.cat(got_h), torch.cat(ref_h))
+        add("swiglu_quant bitwise (same gate_up)", same_h, "codes and scales")
+        st = bf16_diff_stats(torch.cat(got_y), torch.cat(ref_y))
+        add("down vs ref (same h)", _within(st, "fp4_gemm"), _fmt(st))
+        sh_ref = ref.shared_forward(x.cpu(), wc.shared, limit, quantised=(rq, rsa))
+        st = bf16_diff_stats(shared.cpu(), sh_ref)
+        add("shared vs ref (same q, sa)", _within(st, "layer"), _fmt(st))
+        n_routes = t * k
+        add("h scales: GPU vs full reference", True,
+            f"{int(scale_flips.sum())} of {n_routes * hsc.shape[1]} group scales differ, in "
+            f"{int((scale_flips > 0).sum())} routes; codes differ in {int((code_flips > 0).sum())} of {n_routes} "
+            f"routes ({int(code_flips.sum())} codes)")
+        full = ref.moe_forward(x.cpu(), ids.cpu(), wc, cfg)
+        agree = torch.ones(t, dtype=torch.bool)
+        agree[ties + off_tie] = False
+        g, f = out.cpu().float(), full.float()
+        st = bf16_diff_stats(out.cpu()[agree], full[agree])
+        rms = f[agree].pow(2).mean().sqrt()
+        err = ((g - f).abs() / rms)
+        err[~agree] = 0
+        worst = torch.topk(err.flatten(), 5)
+        lines = []
+        for v, idx in zip(worst.values.tolist(), worst.indices.tolist()):
+            tok, col = divmod(idx, g.shape[1])
+            rs = list(range(tok * k, tok * k + k))
+            lines.append(f"token {tok} col {col}: |diff| {v:.4f} rms (~{v * 256:.0f} bf16 ulp of rms), its routes' h scale "
+                         f"flips {scale_flips[rs].tolist()}, code flips {code_flips[rs].tolist()}")
+        add("layer vs full reference", _within(st, "layer"), _fmt(st) + " (tokens routed alike); worst: "
+            + "; ".join(lines) + f" (ref {time.time() - t0:.1f}s)")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--case", default="pro-tp8", choices=("flash", "pro-tp8", "tiny"),
+                   help="layer shapes ('tiny': the embedded checkpoint's, for a CPU smoke run under TRITON_INTERPRET=1)")
+    p.add_argument("--tokens", default="4096", help="comma-separated T list")
+    args = p.parse_args(argv)
+    try:
+        tokens = [int(v) for v in args.tokens.split(",")]
+    except ValueError:
+        p.error(f"--tokens={args.tokens!r}: expected comma-separated ints")
+    cfg = {"flash": MoEConfig.flash, "tiny": MoEConfig.tiny,
+           "pro-tp8": lambda: MoEConfig.pro().replace(moe_intermediate_size=384, name="pro-tp8-rank")}[args.case]()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    weights = random_layer_weights(cfg, layer_idx=min(5, cfg.num_hidden_layers - 1), seed=0, device=dev)
+    rows: list[dict] = []
+    for t in tokens:
+        check(cfg, weights, t, rows, args.case, dev)
+    out_dir = os.environ.get("OUT", "./out")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "gpu_check_layer_stages.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    bad = [row for row in rows if not row["ok"]]
+    where = torch.cuda.get_device_name() if dev.type == "cuda" else "the CPU (Triton interpreter)"
+    print(f"{len(rows) - len(bad)}/{len(rows)} checks ok on {where}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
