@@ -204,6 +204,25 @@ def check(cfg: MoEConfig, weights, t: int, rows: list[dict], name: str, dev: tor
                          f"{int(shared_scale_flips[tok])}, code flips {int(shared_code_flips[tok])}")
         add("layer vs full reference", True, _fmt(st) + " (reported; tokens routed alike); worst: "
             + "; ".join(lines) + f" (ref {time.time() - t0:.1f}s)")
+        # the worst token, piece by piece: its route weights, each route's y and the shared output
+        # against the reference's own (one token: the reference is per token)
+        tok = int(worst.indices[0]) // g.shape[1]
+        xt = x[tok:tok + 1].cpu()
+        rw, rid = ref.route(xt, wc.router.weight, wc.router.bias, wc.router.tid2eid, ids[tok:tok + 1].cpu(), k,
+                            cfg.routed_scaling_factor)
+        q1, s1 = ref.act_quant(xt)
+        y1 = ref.routed_forward(q1, s1, rw, rid, wc.routed, limit)[0]
+        gw = tw[tok].cpu()
+        parts = [f"ids GPU {tid[tok].tolist()} ref {rid[0].tolist()}",
+                 "weights rel diff " + ", ".join(f"{float((gw[j] - rw[0, j]).abs() / rw[0, j].abs()):.1e}"
+                                                  for j in range(k))]
+        for j in range(k):
+            d = bf16_diff_stats(y[tok, j].cpu(), y1[j])
+            parts.append(f"slot {j}: {_fmt(d)}, max |d| {d['max_abs']:.3g}")
+        d = bf16_diff_stats(shared[tok].cpu(), sh_ref[tok])
+        parts.append(f"shared: {_fmt(d)}, max |d| {d['max_abs']:.3g}; layer row max |d| "
+                     f"{float((g[tok] - f[tok]).abs().max()):.3g}")
+        add(f"worst token {tok} by piece", True, "; ".join(parts))
 
 
 def main(argv=None) -> int:
