@@ -328,6 +328,9 @@ def main(argv=None) -> int:
         ref_tokens = [int(v) for v in args.ref_tokens.split(",") if v]
     except ValueError:
         p.error(f"--ref-tokens={args.ref_tokens!r}: expected comma-separated ints")
+    missing = sorted(set(ref_tokens) - set(tokens))
+    if missing and {"flash", "pro-tp8"} & set(args.cases.split(",")):
+        p.error(f"--ref-tokens={args.ref_tokens!r}: T={missing} not among the checked T {tokens} (--tokens)")
     # Pro at TP8 is run as the per-rank layer (I = 384) on its own: one GPU holds one rank,
     # and the cross-rank reduce is torch.distributed's (tested on CPU with gloo).
     pro_rank = MoEConfig.pro().replace(moe_intermediate_size=384, name="pro-tp8-rank")
@@ -345,9 +348,6 @@ def main(argv=None) -> int:
         w = random_layer_weights(cfg, layer_idx=5, seed=0, device=dev)
         print(f"{name}: synthetic weights in {time.time() - t0:.1f}s", flush=True)
         if not args.front_only:
-            missing = sorted(set(ref_toks) - set(toks))
-            if missing:
-                p.error(f"--ref-tokens: T={missing} not among the checked T {toks} of case {name!r}")
             check_layer(name, cfg, w, rows, toks, ref_tokens=ref_toks, graph_tokens=graph_toks,
                         routed_layout=layout)
         del w

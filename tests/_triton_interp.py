@@ -32,7 +32,3 @@ if not getattr(_interp, "_dsv4_index_patched", False):  # idempotent across test
     _interp._dsv4_index_patched = True
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-# Why a module of interpreter tests on CPU tensors skips in a process that runs Triton natively.
-NATIVE_SKIP_REASON = ("Triton-interpreter tests on CPU tensors: a GPU is present, so this process runs Triton "
-                      "natively (run them with TRITON_INTERPRET=1 in a process of their own; the native "
-                      "counterparts are tests/test_routed_native.py and scripts/gpu_check_*.py)")
