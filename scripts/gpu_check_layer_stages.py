@@ -84,6 +84,12 @@ def _fp8_gemm_vs_ref(got, want, case, m) -> tuple[bool, str]:
     return rel <= WGMMA_REL_MAG, _fmt(st) + f"; max |d| / magnitude {rel:.2e} (wgmma bound {WGMMA_REL_MAG:.2e})"
 
 
+def layer_logits_path(layer, t: int) -> str:
+    from dsv4_moe.kernels.router import logits_path
+
+    return logits_path(t, layer.router.weight.dtype, cuda=layer.device.type == "cuda")
+
+
 def check(cfg: MoEConfig, weights, t: int, rows: list[dict], name: str, dev: torch.device) -> None:
     layer = DeepseekV4MoE(cfg, weights)
     k, limit = cfg.num_experts_per_tok, cfg.swiglu_limit
@@ -99,9 +105,17 @@ def check(cfg: MoEConfig, weights, t: int, rows: list[dict], name: str, dev: tor
         out = layer(x, ids)
         ctx = layer.context(t)
         ties, off_tie = _route_differences(layer, x, ids, wc, cfg)
-        add("routing vs reference", not off_tie, f"{len(ties)} tokens on a near-tie routed otherwise {ties[:8]}, "
-                                                 f"{len(off_tie)} off a tie {off_tie[:8]}")
         tw, tid = dispatch.select("router", ctx).impl(x, layer.router, ids, k, cfg.routed_scaling_factor)
+        rw_all, rid_all = ref.route(x.cpu(), wc.router.weight, wc.router.bias, wc.router.tid2eid, ids.cpu(), k,
+                                    cfg.routed_scaling_factor)
+        same = (tid.cpu().long() == rid_all).all(1)   # both ascending per token
+        wrel = ((tw.cpu() - rw_all).abs() / rw_all.abs()).max(1).values
+        wrel[~same] = 0
+        add("routing vs reference", not off_tie, f"{len(ties)} tokens on a near-tie routed otherwise {ties[:8]}, "
+                                                 f"{len(off_tie)} off a tie {off_tie[:8]}; route weights of the tokens "
+                                                 f"routed alike: largest relative difference {float(wrel.max()):.2e} "
+                                                 f"(token {int(wrel.argmax())}), > 1e-5 on {int((wrel > 1e-5).sum())} "
+                                                 f"tokens; logits path {layer_logits_path(layer, t)}")
         q, sa = act_quant(x)
         rq, rsa = ref.act_quant(x.cpu())
         add("act_quant bitwise", torch.equal(_bits(q.cpu()), _bits(rq)) and torch.equal(sa.cpu(), rsa), "")
