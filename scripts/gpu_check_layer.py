@@ -41,6 +41,22 @@ def _inputs(cfg, t, seed, device):
     return x.to(device), ids.to(device)
 
 
+def case_config(name: str) -> MoEConfig:
+    """The layer shapes of a check case: "flash", "pro-tp8" (Pro at TP8 as its per-rank layer,
+    I = 384: one GPU holds one rank) or "tiny" (the embedded checkpoint's, for CPU runs)."""
+    if name == "pro-tp8":
+        return MoEConfig.pro().replace(moe_intermediate_size=384, name="pro-tp8-rank")
+    return {"flash": MoEConfig.flash, "tiny": MoEConfig.tiny}[name]()
+
+
+def parse_tokens(p: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
+    """A comma-separated T list of a command-line flag (p.error on anything else)."""
+    try:
+        return [int(v) for v in text.split(",") if v]
+    except ValueError:
+        p.error(f"{flag}={text!r}: expected comma-separated ints")
+
+
 def _references(layer, x, input_ids, weights_cpu, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     """The CPU reference of the layer (SPEC §4) twice from one routed sum: with the GPU's shared
     expert output added, and with the reference's own (= reference.moe_forward).
@@ -318,22 +334,16 @@ def main(argv=None) -> int:
     # 1536 / 3072: the 64-row swap bands of session 19 (Flash from 36 rows per expert, Pro-TP8 from 40)
     tokens = [1, 4, 16, 256] if args.quick else [1, 2, 3, 4, 16, 256, 1000, 1536, 2048, 3072, 4096]
     if args.tokens:
-        try:
-            tokens = [int(v) for v in args.tokens.split(",")]
-        except ValueError:
-            p.error(f"--tokens={args.tokens!r}: expected comma-separated ints")
+        tokens = parse_tokens(p, "--tokens", args.tokens)
         if any(t < 1 for t in tokens):
             p.error(f"--tokens={args.tokens!r}: every T must be >= 1")
-    try:
-        ref_tokens = [int(v) for v in args.ref_tokens.split(",") if v]
-    except ValueError:
-        p.error(f"--ref-tokens={args.ref_tokens!r}: expected comma-separated ints")
+    ref_tokens = parse_tokens(p, "--ref-tokens", args.ref_tokens)
     missing = sorted(set(ref_tokens) - set(tokens))
     if missing and {"flash", "pro-tp8"} & set(args.cases.split(",")):
         p.error(f"--ref-tokens={args.ref_tokens!r}: T={missing} not among the checked T {tokens} (--tokens)")
     # Pro at TP8 is run as the per-rank layer (I = 384) on its own: one GPU holds one rank,
     # and the cross-rank reduce is torch.distributed's (tested on CPU with gloo).
-    pro_rank = MoEConfig.pro().replace(moe_intermediate_size=384, name="pro-tp8-rank")
+    pro_rank = case_config("pro-tp8")
     # "auto" takes the "mma64e" routed layout on CUDA; "flash-nk" keeps the checkpoint's
     # byte order (the GEMV / tile bodies of the fallback) at a few sizes.
     cases = [("flash", MoEConfig.flash(), args.routed_layout, tokens, [1, 4, 16, 256], ref_tokens),

@@ -38,7 +38,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_check_layer import _inputs, _references, _route_differences  # noqa: E402
+from gpu_check_layer import _inputs, _references, _route_differences, case_config, parse_tokens  # noqa: E402
 
 from dsv4_moe import DeepseekV4MoE, MoEConfig, dispatch, reference as ref  # noqa: E402
 from dsv4_moe.kernels.act_quant import act_quant  # noqa: E402
@@ -245,12 +245,8 @@ def main(argv=None) -> int:
                    help="layer shapes ('tiny': the embedded checkpoint's, for a CPU smoke run under TRITON_INTERPRET=1)")
     p.add_argument("--tokens", default="4096", help="comma-separated T list")
     args = p.parse_args(argv)
-    try:
-        tokens = [int(v) for v in args.tokens.split(",")]
-    except ValueError:
-        p.error(f"--tokens={args.tokens!r}: expected comma-separated ints")
-    cfg = {"flash": MoEConfig.flash, "tiny": MoEConfig.tiny,
-           "pro-tp8": lambda: MoEConfig.pro().replace(moe_intermediate_size=384, name="pro-tp8-rank")}[args.case]()
+    tokens = parse_tokens(p, "--tokens", args.tokens)
+    cfg = case_config(args.case)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     weights = random_layer_weights(cfg, layer_idx=min(5, cfg.num_hidden_layers - 1), seed=0, device=dev)
     rows: list[dict] = []

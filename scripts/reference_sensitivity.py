@@ -32,9 +32,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_check_layer import _inputs  # noqa: E402
+from gpu_check_layer import _inputs, case_config, parse_tokens  # noqa: E402
 
-from dsv4_moe import MoEConfig, reference as ref  # noqa: E402
+from dsv4_moe import reference as ref  # noqa: E402
 from dsv4_moe.testing import bf16_diff_stats, random_layer_weights  # noqa: E402
 
 
@@ -77,12 +77,8 @@ def main(argv=None) -> int:
     p.add_argument("--gate-up-share", type=float, default=1.1e-4)
     p.add_argument("--route-weight-rel", type=float, default=2e-6)
     args = p.parse_args(argv)
-    try:
-        tokens = [int(v) for v in args.tokens.split(",")]
-    except ValueError:
-        p.error(f"--tokens={args.tokens!r}: expected comma-separated ints")
-    cfg = {"flash": MoEConfig.flash, "tiny": MoEConfig.tiny,
-           "pro-tp8": lambda: MoEConfig.pro().replace(moe_intermediate_size=384, name="pro-tp8-rank")}[args.case]()
+    tokens = parse_tokens(p, "--tokens", args.tokens)
+    cfg = case_config(args.case)
     t0 = time.time()
     w = random_layer_weights(cfg, layer_idx=min(5, cfg.num_hidden_layers - 1), seed=0)
     r = w.routed.with_layout("nk")
