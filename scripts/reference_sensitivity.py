@@ -16,6 +16,9 @@ gpu_check_layer.py's x of seed T; CPU only):
                  H200's measured share against the reference on the same inputs, session 37)
                  moved by one bf16 ulp: the in-block summation order of SPEC §4.3.
   both           route_weights_rel and gate_up together (the GPU's routed path has both).
+  logits_fp32    the route weights of the same ids from logits summed in fp32 (torch's CPU matmul)
+                 instead of float64: an fp32 summation order of the kind the GPU's logits have
+                 (cuBLAS above T = 16), with its own token-to-token spread.
 Prints, per T and perturbation: the share of bf16 outputs that differ, the largest difference in
 bf16 ulps (at max(|ref|, rms), as dsv4_moe.testing.bf16_diff_stats) and the relative L2 over all
 tokens; how many FP8 codes and UE8M0 scales of the routed h moved; and the worst token's largest
@@ -70,6 +73,12 @@ def _one_ulp_bf16(share: float, g: torch.Generator):
     return perturb
 
 
+def _fp32_logit_weights(x, gate, ids, scale):
+    """ref.route's weights for the given ids, with the logits summed in fp32 rather than float64."""
+    scores = torch.sqrt(torch.nn.functional.softplus(x.float() @ gate.float().T, beta=1.0, threshold=20.0))
+    return ref.renormalise(scores.gather(1, ids), scale)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--case", default="pro-tp8", choices=("flash", "pro-tp8", "tiny"))
@@ -98,8 +107,13 @@ def main(argv=None) -> int:
         runs = {"route_weights": dict(tw=torch.nextafter(tw, sign)),
                 "route_weights_rel": dict(tw=tw * (1 + rel)),
                 "gate_up": dict(tw=tw, perturb=_one_ulp_bf16(args.gate_up_share, g)),
-                "both": dict(tw=tw * (1 + rel), perturb=_one_ulp_bf16(args.gate_up_share, g))}
+                "both": dict(tw=tw * (1 + rel), perturb=_one_ulp_bf16(args.gate_up_share, g)),
+                "logits_fp32": dict(tw=_fp32_logit_weights(x, w.router.weight, tid, cfg.routed_scaling_factor))}
         print(f"T={t}: reference in {time.time() - t0:.1f}s", flush=True)
+        wr = ((runs["logits_fp32"]["tw"] - tw).abs() / tw.abs()).max(1).values
+        print(f"  logits_fp32 route weights: largest relative difference {float(wr.max()):.2e} (token "
+              f"{int(wr.argmax())}), 99.9th percentile over tokens {float(wr.quantile(0.999)):.2e}, median "
+              f"{float(wr.median()):.2e}", flush=True)
         for name, kw in runs.items():
             y, hq, hs, _ = _routed(q, sa, kw["tw"], tid, r, limit, gate_ups, kw.get("perturb"))
             out = ref.combine(ref.finalize(y, tid, r.first_expert, r.num_local), shared, w)

@@ -76,7 +76,7 @@ def test_ref_tokens_validated_before_any_device():
 @cpu_only
 @pytest.mark.parametrize("script,args,want", [
     ("gpu_check_layer_stages.py", ["--case", "tiny", "--tokens", "5"], "16/16 checks ok"),
-    ("reference_sensitivity.py", ["--case", "tiny", "--tokens", "64"], "route_weights_rel: "),
+    ("reference_sensitivity.py", ["--case", "tiny", "--tokens", "64"], "logits_fp32 route weights: largest"),
 ])
 def test_script_runs_on_the_tiny_layer(tmp_path, script, args, want):
     env = dict(os.environ, OUT=str(tmp_path), TRITON_INTERPRET="1")
