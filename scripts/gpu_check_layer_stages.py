@@ -90,6 +90,15 @@ def layer_logits_path(layer, t: int) -> str:
     return logits_path(t, layer.router.weight.dtype, cuda=layer.device.type == "cuda")
 
 
+def dispatch_logits(layer, x: torch.Tensor) -> torch.Tensor:
+    """The GPU router's fp32 logits for the whole batch, by the path route_topk takes at this T."""
+    from dsv4_moe.kernels.router import router_logits, router_logits_gemv, router_logits_mma
+
+    path = layer_logits_path(layer, x.shape[0])
+    fn = {"gemv": router_logits_gemv, "mma": router_logits_mma, "mm": router_logits}[path]
+    return fn(x, layer.router.weight)
+
+
 def check(cfg: MoEConfig, weights, t: int, rows: list[dict], name: str, dev: torch.device) -> None:
     layer = DeepseekV4MoE(cfg, weights)
     k, limit = cfg.num_experts_per_tok, cfg.swiglu_limit
@@ -199,8 +208,14 @@ def check(cfg: MoEConfig, weights, t: int, rows: list[dict], name: str, dev: tor
         agree = torch.ones(t, dtype=torch.bool)
         agree[ties + off_tie] = False
         st = bf16_diff_stats(out.cpu()[agree], with_gpu_shared[agree])
+        # the difference against the magnitude of the summed terms (sum_j |y_j| + |shared|): a 1-ulp
+        # difference of a large y_j is many ulp of an output that cancels to a small value
+        terms = yc.view(t, k, -1).float().abs().sum(1) + shared.cpu().float().abs()
+        dmag = (out.cpu().float() - with_gpu_shared.float()).abs() / terms.clamp_min(1e-30)
+        dmag[~agree] = 0
         add("layer vs reference + GPU shared", _within(st, "layer"), _fmt(st) + f" over the {int(agree.sum())} tokens "
-            f"routed alike (gpu_check_layer.py's bound)")
+            f"routed alike (gpu_check_layer.py's bound); max |d| / (sum |y_j| + |shared|) {float(dmag.max()):.2e} "
+            f"(token {int(dmag.flatten().argmax()) // dmag.shape[1]})")
         g, f = out.cpu().float(), full.float()
         st = bf16_diff_stats(out.cpu()[agree], full[agree])
         rms = f[agree].pow(2).mean().sqrt()
@@ -236,7 +251,24 @@ def check(cfg: MoEConfig, weights, t: int, rows: list[dict], name: str, dev: tor
         d = bf16_diff_stats(shared[tok].cpu(), sh_ref[tok])
         parts.append(f"shared: {_fmt(d)}, max |d| {d['max_abs']:.3g}; layer row max |d| "
                      f"{float((g[tok] - f[tok]).abs().max()):.3g}")
+        # magnitudes: each slot's largest |y|, the shared's and the output's (a cancelling sum turns
+        # one ulp of a large term into many of the output)
+        yt = y[tok].cpu().float()
+        parts.append("max |y_j| " + ", ".join(f"{float(v):.3g}" for v in yt.abs().max(1).values)
+                     + f"; max |shared| {float(shared[tok].abs().max()):.3g}; output rms {float(g[tok].pow(2).mean().sqrt()):.3g}"
+                     + f", max {float(g[tok].abs().max()):.3g}")
+        logits = layer.router.weight.float().cpu().double() @ xt.double().t()
+        gl = dispatch_logits(layer, x)[tok].cpu().double()
+        parts.append(f"logits path {layer_logits_path(layer, t)}: max |GPU - float64| {float((gl - logits[:, 0]).abs().max()):.2e}"
+                     f" (max |logit| {float(logits.abs().max()):.3g})")
         add(f"worst token {tok} by piece", True, "; ".join(parts))
+        out_dir = os.environ.get("OUT", "./out")
+        os.makedirs(out_dir, exist_ok=True)
+        torch.save({"token": tok, "x": xt, "input_id": ids[tok].cpu(), "gpu_weights": gw, "gpu_ids": tid[tok].cpu(),
+                    "ref_weights": rw[0], "ref_ids": rid[0], "gpu_logits": gl.float(), "gpu_y": y[tok].cpu(),
+                    "ref_y": y1, "gpu_shared": shared[tok].cpu(), "ref_shared": sh_ref[tok], "gpu_out": out[tok].cpu(),
+                    "ref_out": full[tok], "ref_out_gpu_shared": with_gpu_shared[tok]},
+                   os.path.join(out_dir, f"worst_token_{name}_T{t}.pt"))
 
 
 def main(argv=None) -> int:
