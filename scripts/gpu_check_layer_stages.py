@@ -18,12 +18,17 @@ of seed T). For each T:
     requantisation)
   * the shared expert's gate_up, SwiGLU-quant and down the same way (the FP8 wgmma tiles of M > 16
     on the error against the terms' magnitude, as tests/test_kernels_fp8_gemm.py on the GPU)
-  * the layer against the reference with the GPU's shared output added (gpu_check_layer.py's
-    bound, "layer" recipe), and against the whole reference (reported)
+  * the layer against the reference on the GPU's route weights with the GPU's shared output
+    added (gpu_check_layer.py's bound, "layer" recipe; see its _references), and against the
+    reference with its own route weights and against the whole reference (reported)
   * the amplification: how many SwiGLU-quant scales and FP8 codes of the GPU differ from those the
     reference computes from its own gate_up (a 1-ulp gate_up difference can flip a code, or at a
     group's absmax double a UE8M0 scale, requantising all 128 codes), and the largest layer
     differences with, for each, its routes' and its shared expert's flips.
+  * the worst token piece by piece: ids, route weights, each route's y against the reference's
+    own, the SwiGLU-quant of its gate_up on the GPU's weight against on the reference's (scales,
+    codes, group absmax), the shared output, magnitudes, the logits against float64; its pieces
+    saved to $OUT/worst_token_<case>_T<T>.pt.
 Writes $OUT/gpu_check_layer_stages.json and prints a table.
 """
 
@@ -38,7 +43,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_check_layer import _inputs, _references, _route_differences, case_config, parse_tokens  # noqa: E402
+from gpu_check_layer import ROUTE_WEIGHT_REL, _inputs, _references, _route_differences, case_config, parse_tokens  # noqa: E402
 
 from dsv4_moe import DeepseekV4MoE, MoEConfig, dispatch, reference as ref  # noqa: E402
 from dsv4_moe.kernels.act_quant import act_quant  # noqa: E402
@@ -204,16 +209,21 @@ def check(cfg: MoEConfig, weights, t: int, rows: list[dict], name: str, dev: tor
             f"{int(scale_flips.sum())} of {n_routes * hsc.shape[1]} group scales differ, in "
             f"{int((scale_flips > 0).sum())} routes; codes differ in {int((code_flips > 0).sum())} of {n_routes} "
             f"routes ({int(code_flips.sum())} codes)")
-        with_gpu_shared, full = _references(layer, x, ids, wc, cfg)
+        refs = _references(layer, x, ids, wc, cfg)
+        bounded, with_gpu_shared, full = refs["bounded"], refs["gpu_shared"], refs["own"]
         agree = torch.ones(t, dtype=torch.bool)
         agree[ties + off_tie] = False
+        st = bf16_diff_stats(out.cpu()[agree], bounded[agree])
+        add("layer vs ref (GPU weights + shared)", _within(st, "layer") and refs["weight_rel"] <= ROUTE_WEIGHT_REL,
+            _fmt(st) + f" over the {int(agree.sum())} tokens routed alike (gpu_check_layer.py's bound; route weights "
+            f"{refs['weight_rel']:.2e} relative off at most, token {refs['weight_token']})")
         st = bf16_diff_stats(out.cpu()[agree], with_gpu_shared[agree])
         # the difference against the magnitude of the summed terms (sum_j |y_j| + |shared|): a 1-ulp
         # difference of a large y_j is many ulp of an output that cancels to a small value
         terms = yc.view(t, k, -1).float().abs().sum(1) + shared.cpu().float().abs()
         dmag = (out.cpu().float() - with_gpu_shared.float()).abs() / terms.clamp_min(1e-30)
         dmag[~agree] = 0
-        add("layer vs reference + GPU shared", _within(st, "layer"), _fmt(st) + f" over the {int(agree.sum())} tokens "
+        add("layer vs reference + GPU shared", True, "(reported) " + _fmt(st) + f" over the {int(agree.sum())} tokens "
             f"routed alike (gpu_check_layer.py's bound); max |d| / (sum |y_j| + |shared|) {float(dmag.max()):.2e} "
             f"(token {int(dmag.flatten().argmax()) // dmag.shape[1]})")
         g, f = out.cpu().float(), full.float()
@@ -247,7 +257,16 @@ def check(cfg: MoEConfig, weights, t: int, rows: list[dict], name: str, dev: tor
                                                   for j in range(k))]
         for j in range(k):
             d = bf16_diff_stats(y[tok, j].cpu(), y1[j])
-            parts.append(f"slot {j}: {_fmt(d)}, max |d| {d['max_abs']:.3g}")
+            # the SwiGLU-quant of the GPU's gate_up row on the GPU's weight and on the reference's
+            # (on the GPU: CUDA's expf): a scale flip here is the route weight's doing
+            row = gu[rr[tok * k + j]][None]
+            hg_q, hg_s = ref.swiglu_quant(row, limit, tw[tok, j:j + 1].float())
+            hr_q, hr_s = ref.swiglu_quant(row, limit, rw[0, j:j + 1].to(dev))
+            amax = ref.swiglu(row, limit, rw[0, j:j + 1].to(dev)).to(torch.bfloat16).float().view(-1, 128).abs().amax(1)
+            parts.append(f"slot {j}: {_fmt(d)}, max |d| {d['max_abs']:.3g}; h on the GPU's vs the reference's weight: "
+                         f"{int((hg_s != hr_s).sum())} scales ({hg_s[0].tolist()} vs {hr_s[0].tolist()}), "
+                         f"{int((_bits(hg_q) != _bits(hr_q)).sum())} codes differ; bf16 group absmax "
+                         f"{[float(v) for v in amax.cpu()]}")
         d = bf16_diff_stats(shared[tok].cpu(), sh_ref[tok])
         parts.append(f"shared: {_fmt(d)}, max |d| {d['max_abs']:.3g}; layer row max |d| "
                      f"{float((g[tok] - f[tok]).abs().max()):.3g}")
@@ -264,10 +283,12 @@ def check(cfg: MoEConfig, weights, t: int, rows: list[dict], name: str, dev: tor
         add(f"worst token {tok} by piece", True, "; ".join(parts))
         out_dir = os.environ.get("OUT", "./out")
         os.makedirs(out_dir, exist_ok=True)
-        torch.save({"token": tok, "x": xt, "input_id": ids[tok].cpu(), "gpu_weights": gw, "gpu_ids": tid[tok].cpu(),
-                    "ref_weights": rw[0], "ref_ids": rid[0], "gpu_logits": gl.float(), "gpu_y": y[tok].cpu(),
-                    "ref_y": y1, "gpu_shared": shared[tok].cpu(), "ref_shared": sh_ref[tok], "gpu_out": out[tok].cpu(),
-                    "ref_out": full[tok], "ref_out_gpu_shared": with_gpu_shared[tok]},
+        pieces = {"token": tok, "x": xt, "input_id": ids[tok].cpu(), "gpu_weights": gw, "gpu_ids": tid[tok].cpu(),
+                  "ref_weights": rw[0], "ref_ids": rid[0], "gpu_logits": gl.float(), "gpu_y": y[tok].cpu(),
+                  "ref_y": y1, "gpu_shared": shared[tok].cpu(), "ref_shared": sh_ref[tok], "gpu_out": out[tok].cpu(),
+                  "ref_out": full[tok], "ref_out_gpu_shared": with_gpu_shared[tok], "ref_out_bounded": bounded[tok]}
+        # clones: a saved view would carry its whole [T, H] storage
+        torch.save({key: v.clone() if isinstance(v, torch.Tensor) else v for key, v in pieces.items()},
                    os.path.join(out_dir, f"worst_token_{name}_T{t}.pt"))
 
 

@@ -24,16 +24,20 @@ cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the tiny layer 
 
 @cpu_only
 def test_references_and_route_differences():
-    """_references: (the reference with the layer's shared output, the whole reference) - the
-    second is reference.moe_forward bitwise, the first differs from it only through the shared
-    output; _route_differences finds nothing on a layer routed like the reference."""
+    """_references: the whole reference ("own") is reference.moe_forward bitwise; the bounded one
+    (the layer's route weights and shared output) and "gpu_shared" differ from it only through
+    those, which on the CPU are the reference's bits; _route_differences finds nothing on a layer
+    routed like the reference."""
     cfg = MoEConfig.tiny()
     w = random_layer_weights(cfg, layer_idx=1, seed=0)
     layer = DeepseekV4MoE(cfg, w)
     x, ids = gcl._inputs(cfg, 7, 7, "cpu")
-    with_gpu_shared, own = gcl._references(layer, x, ids, w, cfg)
+    refs = gcl._references(layer, x, ids, w, cfg)
+    own = refs["own"]
     assert torch.equal(own.view(torch.int16), reference.moe_forward(x, ids, w, cfg).view(torch.int16))
-    assert torch.equal(with_gpu_shared.view(torch.int16), own.view(torch.int16))   # CPU: the same shared bits
+    for key in ("bounded", "gpu_shared"):   # CPU: the same route weights and shared bits
+        assert torch.equal(refs[key].view(torch.int16), own.view(torch.int16)), key
+    assert refs["weight_rel"] == 0.0
     assert gcl._route_differences(layer, x, ids, w, cfg) == ([], [])
 
 
@@ -65,6 +69,45 @@ def test_route_differences_names_a_changed_route(monkeypatch):
     assert ties == [] and off == [2]
 
 
+@cpu_only
+def test_references_take_the_layers_route_weights(monkeypatch):
+    """A router whose weights for one token are 1e-3 off: the bounded reference is the routed
+    reference on exactly those weights (the others untouched), and weight_rel names the token
+    and exceeds ROUTE_WEIGHT_REL, so the layer check fails on it."""
+    from dsv4_moe import dispatch
+
+    cfg = MoEConfig.tiny()
+    w = random_layer_weights(cfg, layer_idx=1, seed=0)
+    layer = DeepseekV4MoE(cfg, w)
+    x, ids = gcl._inputs(cfg, 6, 6, "cpu")
+    real = dispatch.select
+
+    class Skewed:
+        def __init__(self, impl):
+            self.impl_ = impl
+
+        def impl(self, *a):
+            tw, tid = self.impl_(*a)
+            tw = tw.clone()
+            tw[3] *= torch.tensor([1.001] + [1.0] * (tw.shape[1] - 1))
+            return tw, tid
+
+    monkeypatch.setattr(dispatch, "select", lambda stage, ctx: Skewed(real(stage, ctx).impl) if stage == "router"
+                        else real(stage, ctx))
+    refs = gcl._references(layer, x, ids, w, cfg)
+    assert refs["weight_token"] == 3 and 0.9e-3 < refs["weight_rel"] < 1.1e-3 > gcl.ROUTE_WEIGHT_REL
+    k, c = cfg.num_experts_per_tok, cfg
+    rw, rid = reference.route(x, w.router.weight, w.router.bias, w.router.tid2eid, ids, k, c.routed_scaling_factor)
+    rw[3, 0] *= 1.001
+    q, sa = reference.act_quant(x)
+    acc = reference.finalize(reference.routed_forward(q, sa, rw, rid, w.routed, c.swiglu_limit), rid,
+                             w.routed.first_expert, w.routed.num_local)
+    want = reference.combine(acc, reference.shared_forward(x, w.shared, c.swiglu_limit, quantised=(q, sa)), w)
+    assert torch.equal(refs["bounded"].view(torch.int16), want.view(torch.int16))
+    assert not torch.equal(refs["bounded"][3], refs["own"][3])
+    assert torch.equal(refs["bounded"][:3].view(torch.int16), refs["own"][:3].view(torch.int16))
+
+
 def test_ref_tokens_validated_before_any_device():
     for extra, msg in ((["--tokens", "4,16", "--ref-tokens", "4,8"], "T=[8] not among the checked T"),
                        (["--ref-tokens", "a"], "expected comma-separated ints")):
@@ -75,7 +118,7 @@ def test_ref_tokens_validated_before_any_device():
 
 @cpu_only
 @pytest.mark.parametrize("script,args,want", [
-    ("gpu_check_layer_stages.py", ["--case", "tiny", "--tokens", "5"], "16/16 checks ok"),
+    ("gpu_check_layer_stages.py", ["--case", "tiny", "--tokens", "5"], "17/17 checks ok"),
     ("reference_sensitivity.py", ["--case", "tiny", "--tokens", "64"], "logits_fp32 route weights: largest"),
 ])
 def test_script_runs_on_the_tiny_layer(tmp_path, script, args, want):
