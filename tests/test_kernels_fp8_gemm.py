@@ -3,7 +3,8 @@
 The interpreter runs tl.dot on fp8 operands exactly (fp16 products, fp32 numpy
 matmul) and the kernel's bf16 output rounding is done in software there, so on CPU the
 only freedom is the in-block fp32 sum order (SPEC §4.3): the bound below is <= 1% of
-bf16 outputs differing, by at most 1 bf16 ulp. A wrong scale, a swapped block index or
+bf16 outputs differing, by at most 1 bf16 ulp (or, for an output that cancels to far below its
+terms, by at most ORDER_REL_MAG of their magnitude). A wrong scale, a swapped block index or
 a missing K tail changes most outputs by many ulps. Natively on the GPU the wgmma tiles
 (M > 16) have a bound of their own (GPU_WGMMA_* below, measured on the H200).
 """
@@ -33,6 +34,11 @@ MAX_ULP = 1
 # The CUDA-core GEMV (M = 1) and the 16-row mma.sync tiles matched the reference bitwise at every
 # shape measured, so they keep the bound above on the GPU too.
 GPU_WGMMA_DIFF_FRACTION = 0.03
+# The in-block fp32 order freedom itself, worst case: 128 additions of ~2^-24 relative each, on
+# the magnitude of the terms (2^-17), with margin. It applies only to the outputs past MAX_ULP -
+# those that cancel to far below their terms (seen: -1.9e-3 out of terms summing to 976, 3 ulp,
+# test_down_on_swiglu_quant_codes on the CPU). A 2x scale is ~mag / sqrt(K) off: >= 2^-7.
+ORDER_REL_MAG = 2.0 ** -16
 GPU_WGMMA_REL_MAG = 2.0 ** -8
 
 
@@ -57,8 +63,17 @@ def assert_near_reference(got, want, case, cfg, what):
         assert frac <= GPU_WGMMA_DIFF_FRACTION and rel <= GPU_WGMMA_REL_MAG, (
             f"{what} (wgmma on the GPU): {frac:.4f} of outputs differ, max |d| / mag {rel:.3e}; first at {first}")
     else:
-        assert frac <= MAX_DIFF_FRACTION and ulp.max().item() <= MAX_ULP, (
-            f"{what}: {frac:.4f} of outputs differ, max {ulp.max().item()} ulp; first at {first}")
+        # an output that cancels to a tiny value can differ by more than MAX_ULP of its own from a
+        # last-bit change of its partials: there the bound is the order freedom's, on the magnitude
+        far = ulp > MAX_ULP
+        if far.any():
+            rel = ((got.float() - want.float()).abs() / _magnitude(*case).clamp_min(1e-30))[far].max().item()
+            far_ok = rel <= ORDER_REL_MAG
+        else:
+            rel, far_ok = 0.0, True
+        assert frac <= MAX_DIFF_FRACTION and far_ok, (
+            f"{what}: {frac:.4f} of outputs differ, max {ulp.max().item()} ulp (past {MAX_ULP} ulp: max |d| / mag "
+            f"{rel:.3e}); first at {first}")
 
 
 def bf16_ulp_diff(a, b):
@@ -91,6 +106,26 @@ def check(m, n, k, seed=0, config=None, sw_dtype=torch.float8_e8m0fnu):
 @pytest.mark.parametrize("m,n,k", [(1, 128, 128), (3, 256, 384), (17, 384, 256), (5, 200, 300), (33, 768, 384)])
 def test_matches_reference(m, n, k):
     check(m, n, k, seed=m + n + k)
+
+
+# The shared expert's down GEMM reads SwiGLU-quant codes, not random ones: many small values,
+# and every element saturated by the clamp (|silu(g) * u| near silu(L) * L) the same value, so the
+# same code in many columns. Session 37 measured the down on the layer's own h at 4.5 % differing
+# and 3.4e-3 of the magnitude (Pro-TP8 T = 4096, scripts/gpu_check_layer_stages.py), against the
+# random inputs' 2.6 % and 1.84e-3: these cases hold the GPU bound on that distribution too.
+SWIGLU_LIMIT = 10.0
+
+
+@pytest.mark.parametrize("m,n,k", [(33, 512, 384), (20, 256, 2048)]
+                         + ([(1024, 7168, 384), (4096, 4096, 2048), (4096, 7168, 384)] if DEV == "cuda" else []))
+def test_down_on_swiglu_quant_codes(m, n, k):
+    g = torch.Generator().manual_seed(m + n + k)
+    gate_up = (torch.randn(m, 2 * k, generator=g) * 8).bfloat16()   # ~2 % of h saturated: g, |u| >= L
+    q, sa = ref.swiglu_quant(gate_up, SWIGLU_LIMIT)
+    _, _, w, sw = make_case(1, n, k, seed=m + n + k)
+    want = ref.fp8_gemm(q, sa, w, sw)
+    got = fp8_block_gemm_nt(q.to(DEV), sa.to(DEV), w.to(DEV), sw.to(DEV)).cpu()
+    assert_near_reference(got, want, (q, sa, w, sw), choose_config(m, n, k), f"down M={m} N={n} K={k}")
 
 
 def test_float32_weight_scales_and_forced_config():
