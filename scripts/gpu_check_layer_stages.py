@@ -73,7 +73,7 @@ def _bits(a: torch.Tensor) -> torch.Tensor:
 # promotion (SPEC §4.3's documented deviation, DESIGN "Numerics decisions"): their bound on the
 # GPU is on the error against the magnitude of the summed terms (tests/test_kernels_fp8_gemm.py,
 # GPU_WGMMA_REL_MAG); the mma.sync tiles and the GEMV (M <= 16) keep the "fp8_gemm" recipe.
-WGMMA_REL_MAG = 2.0 ** -8
+WGMMA_REL_MAG = 2.0 ** -6   # tests/test_kernels_fp8_gemm.py's GPU_WGMMA_REL_MAG (session 38)
 
 
 def _fp8_gemm_vs_ref(got, want, case, m) -> tuple[bool, str]:

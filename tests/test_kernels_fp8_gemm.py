@@ -29,17 +29,22 @@ MAX_ULP = 1
 # M = 17-4096): 2.1-2.6 % of bf16 outputs differ from the reference, by at most 1.84e-3 of the
 # magnitude of the terms summed (`_magnitude`: the same GEMM on |q| and |w|); in ulps that error
 # is unbounded where the terms cancel (up to 29676 ulp at M = 1024). So there the bound is on the
-# error against the magnitude. A 2x weight scale moves outputs by ~|want|, i.e. by mag / sqrt(K)
-# for random signs (>= 1e-2 of mag at K <= 7168): far outside it (test_wrong_scale_is_caught).
+# error against the magnitude.
+# Session 38 (H200, test_down_on_swiglu_quant_codes, cba9a56): on SwiGLU-quant codes - the down
+# GEMM's real input, clamp-saturated elements all one code - 4.6-4.9 % differ, by up to 7.2e-3 of
+# the magnitude (M = 1024 N = 7168 K = 384), over the random inputs' bound (3 %, 2^-8). The bound
+# is set from that distribution: 6 % and 2^-6. The magnitude bound alone would not catch a 2x
+# weight scale at K = 7168 (outputs move by ~|want| ~ mag / sqrt(K) = 1.2e-2 of mag for random
+# signs); the fraction does (> 90 % of outputs move: test_wrong_scale_is_caught).
 # The CUDA-core GEMV (M = 1) and the 16-row mma.sync tiles matched the reference bitwise at every
 # shape measured, so they keep the bound above on the GPU too.
-GPU_WGMMA_DIFF_FRACTION = 0.03
+GPU_WGMMA_DIFF_FRACTION = 0.06
+GPU_WGMMA_REL_MAG = 2.0 ** -6
 # The in-block fp32 order freedom itself, worst case: 128 additions of ~2^-24 relative each, on
 # the magnitude of the terms (2^-17), with margin. It applies only to the outputs past MAX_ULP -
 # those that cancel to far below their terms (seen: -1.9e-3 out of terms summing to 976, 3 ulp,
 # test_down_on_swiglu_quant_codes on the CPU). A 2x scale is ~mag / sqrt(K) off: >= 2^-7.
 ORDER_REL_MAG = 2.0 ** -16
-GPU_WGMMA_REL_MAG = 2.0 ** -8
 
 
 def _wgmma_on_gpu(cfg: dict) -> bool:
