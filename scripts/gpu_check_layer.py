@@ -5,7 +5,9 @@
 For the Flash and Pro-TP8 shapes:
   * the default plan (what dispatch picks) and its explain()
   * fused == unfused, bitwise (torch.equal on bytes), for the whole layer
-  * the layer against the CPU reference (same quantised weights), honest stats
+  * the layer against the CPU reference (same quantised weights), honest stats: at --ref-tokens,
+    on the GPU router's route weights and shared output (each bounded on its own; see
+    _references), tokens on a routing near-tie set aside and listed
   * CUDA-graph capture + replay == eager for decode sizes (no host sync inside)
   * programmatic dependent launch (dispatch.PDL_MODE early / exit) == plain launches, bitwise
   * the one-launch decode front (kernels/route_front.py, T <= 4) == the separate router /

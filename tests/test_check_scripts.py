@@ -1,4 +1,4 @@
-"""The layer check scripts' CPU-runnable parts (session 37): gpu_check_layer.py's reference pair
+"""The layer check scripts' CPU-runnable parts (sessions 37-38): gpu_check_layer.py's references
 and route comparison, its --ref-tokens validation, gpu_check_layer_stages.py and
 reference_sensitivity.py end to end on the tiny layer (Triton under the interpreter)."""
 import _triton_interp  # noqa: F401  (TRITON_INTERPRET=1 where there is no GPU; must precede triton)
