@@ -41,30 +41,37 @@ def test_references_and_route_differences():
     assert gcl._route_differences(layer, x, ids, w, cfg) == ([], [])
 
 
-@cpu_only
-def test_route_differences_names_a_changed_route(monkeypatch):
-    """A router that picks another expert for one token (far from any tie) is reported off a tie."""
+def _tiny_layer_with_router(monkeypatch, t: int, edit):
+    """The tiny layer and T inputs, its router's (weights, ids) passed through edit(tw, tid)."""
     from dsv4_moe import dispatch
 
     cfg = MoEConfig.tiny()
     w = random_layer_weights(cfg, layer_idx=1, seed=0)
     layer = DeepseekV4MoE(cfg, w)
-    x, ids = gcl._inputs(cfg, 5, 5, "cpu")
+    x, ids = gcl._inputs(cfg, t, t, "cpu")
     real = dispatch.select
 
-    class Wrong:
+    class Edited:
         def __init__(self, impl):
             self.impl_ = impl
 
         def impl(self, *a):
-            tw, tid = self.impl_(*a)
-            tid = tid.clone()
-            free = [e for e in range(cfg.n_routed_experts) if e not in tid[2].tolist()]
-            tid[2, 0] = free[0]
-            return tw, tid
+            return edit(*self.impl_(*a))
 
-    monkeypatch.setattr(dispatch, "select", lambda stage, ctx: Wrong(real(stage, ctx).impl) if stage == "router"
+    monkeypatch.setattr(dispatch, "select", lambda stage, ctx: Edited(real(stage, ctx).impl) if stage == "router"
                         else real(stage, ctx))
+    return cfg, w, layer, x, ids
+
+
+@cpu_only
+def test_route_differences_names_a_changed_route(monkeypatch):
+    """A router that picks another expert for one token (far from any tie) is reported off a tie."""
+    def wrong(tw, tid):
+        tid = tid.clone()
+        tid[2, 0] = next(e for e in range(MoEConfig.tiny().n_routed_experts) if e not in tid[2].tolist())
+        return tw, tid
+
+    cfg, w, layer, x, ids = _tiny_layer_with_router(monkeypatch, 5, wrong)
     ties, off = gcl._route_differences(layer, x, ids, w, cfg)
     assert ties == [] and off == [2]
 
@@ -74,26 +81,12 @@ def test_references_take_the_layers_route_weights(monkeypatch):
     """A router whose weights for one token are 1e-3 off: the bounded reference is the routed
     reference on exactly those weights (the others untouched), and weight_rel names the token
     and exceeds ROUTE_WEIGHT_REL, so the layer check fails on it."""
-    from dsv4_moe import dispatch
+    def skewed(tw, tid):
+        tw = tw.clone()
+        tw[3, 0] *= 1.001
+        return tw, tid
 
-    cfg = MoEConfig.tiny()
-    w = random_layer_weights(cfg, layer_idx=1, seed=0)
-    layer = DeepseekV4MoE(cfg, w)
-    x, ids = gcl._inputs(cfg, 6, 6, "cpu")
-    real = dispatch.select
-
-    class Skewed:
-        def __init__(self, impl):
-            self.impl_ = impl
-
-        def impl(self, *a):
-            tw, tid = self.impl_(*a)
-            tw = tw.clone()
-            tw[3] *= torch.tensor([1.001] + [1.0] * (tw.shape[1] - 1))
-            return tw, tid
-
-    monkeypatch.setattr(dispatch, "select", lambda stage, ctx: Skewed(real(stage, ctx).impl) if stage == "router"
-                        else real(stage, ctx))
+    cfg, w, layer, x, ids = _tiny_layer_with_router(monkeypatch, 6, skewed)
     refs = gcl._references(layer, x, ids, w, cfg)
     assert refs["weight_token"] == 3 and 0.9e-3 < refs["weight_rel"] < 1.1e-3 > gcl.ROUTE_WEIGHT_REL
     k, c = cfg.num_experts_per_tok, cfg
