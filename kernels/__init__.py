@@ -4,6 +4,12 @@ Importing this package never imports triton: each name below is loaded from its 
 module on first access. One op per module, a public wrapper (`<op>.py`) that checks
 arguments and a private body (`_<op>.py`) with the @triton.jit kernels.
 
+Where an op's function has its module's name (act_quant, swiglu_quant, moe_align,
+mxfp4_grouped_gemm, l2_prefetch), `dsv4_moe.kernels.<name>` is the module - Python's import
+system binds a package's submodules to its attributes, so a package-level function of that
+name could not stay bound - and the function is `dsv4_moe.kernels.<name>.<name>`
+(`from dsv4_moe.kernels.act_quant import act_quant`).
+
     act_quant            1x128 UE8M0 FP8 activation quantisation            act_quant.py
     swiglu_quant         fused clamped SwiGLU (+route weight) + FP8 quant   swiglu_quant.py
     swiglu_quant_unfused its bitwise twin (bf16 activation materialised)    swiglu_quant.py
@@ -25,29 +31,33 @@ arguments and a private body (`_<op>.py`) with the @triton.jit kernels.
 
 import importlib
 
+# name -> the op module it is loaded from. No name here equals a module's name (see above).
 _EXPORTS = {
-    "act_quant": "act_quant",
-    "swiglu_quant": "swiglu_quant", "swiglu_quant_unfused": "swiglu_quant", "choose_strategy": "swiglu_quant",
+    "swiglu_quant_unfused": "swiglu_quant", "choose_strategy": "swiglu_quant",
     "swiglu_quant_partials": "swiglu_quant",
     "fp8_block_gemm_nt": "fp8_block_gemm", "choose_config": "fp8_block_gemm",
     "fp8_scaled_mm_nt": "scaled_mm_fp8", "prepare_weight_scale": "scaled_mm_fp8",
     "scaled_mm_supported": "scaled_mm_fp8",
     "fp8_deep_gemm_nt": "deep_gemm_fp8", "deep_gemm_supported": "deep_gemm_fp8",
     "route_topk": "router", "router_logits": "router", "router_logits_mma": "router",
-    "moe_align": "moe_align", "MoeAlignment": "moe_align", "align_sizes": "moe_align",
-    "mxfp4_grouped_gemm": "mxfp4_grouped_gemm", "GemmConfig": "mxfp4_grouped_gemm",
+    "MoeAlignment": "moe_align", "align_sizes": "moe_align",
+    "GemmConfig": "mxfp4_grouped_gemm",
     "select_config": "mxfp4_grouped_gemm", "split_parts": "mxfp4_grouped_gemm",
     "finalize_shared_add": "finalize", "finalize_unfused": "finalize", "finalize_partial": "finalize",
     "add_shared_round": "finalize",
-    "l2_prefetch": "l2_prefetch",
     "routed_experts_forward": "routed_experts", "routed_configs": "routed_experts",
     "fhmoe_capability": "aiter_fhmoe", "prepare_shared_expert": "aiter_fhmoe", "append_shared_route": "aiter_fhmoe",
 }
+
+# the op modules whose function has the module's name
+_SAME_NAME = ("act_quant", "swiglu_quant", "moe_align", "mxfp4_grouped_gemm", "l2_prefetch")
 
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name):
+    if name in _SAME_NAME:   # not yet imported: the module, as after any import of it
+        return importlib.import_module(f"{__name__}.{name}")
     mod = _EXPORTS.get(name)
     if mod is None:
         raise AttributeError(f"module 'dsv4_moe.kernels' has no attribute {name!r}")
