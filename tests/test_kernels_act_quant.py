@@ -129,10 +129,12 @@ def test_scale_formats(m):
     want_s = amax / 448.0
     assert_bytes_equal(sm.cpu(), want_s, "amax scales")
     want_q = torch.clamp(x.float() / want_s.repeat_interleave(128, 1)[:, :300], -448, 448)
-    # Only exactly representable quotients are compared (the reference cast is torch's).
+    # every code: the kernel divides with div_rn as torch does, and torch's CPU cast is RNE (the
+    # interpreter's own float -> e4m3 cast is not, which the kernel's software cast replaces);
+    # ~98 % of these quotients are not representable, so this checks the rounding itself
     exact = want_q.to(torch.float8_e4m3fn).float() == want_q
-    assert exact.any()
-    assert torch.equal(q.cpu().view(torch.uint8)[exact], want_q.to(torch.float8_e4m3fn).view(torch.uint8)[exact])
+    assert exact.float().mean() < 0.1
+    assert_bytes_equal(q.cpu(), want_q.to(torch.float8_e4m3fn), "codes (amax)")
 
 
 def test_m0_returns_empty_without_launch(monkeypatch):

@@ -28,6 +28,10 @@ def _x(t, seed=0):
 @pytest.mark.parametrize("li", [0, 1], ids=["hash_layer", "topk_layer"])
 @pytest.mark.parametrize("t", [1, 7])
 def test_forward_equals_reference(layers, li, t):
+    """On the CPU every stage takes its reference path, so this checks the module's own
+    composition (routing into slots, finalize order, shared add, one rounding) against
+    reference.moe_forward's. The kernel paths against the reference: test_layer_kernels_
+    interpreted.py (interpreter) and scripts/gpu_check_layer.py (GPU)."""
     x, ids = _x(t, seed=t)
     out = layers[li](x, ids)
     assert out.shape == (t, CFG.hidden_size) and out.dtype == torch.bfloat16
@@ -249,7 +253,23 @@ def test_overlap_shared_option():
     assert "shared expert: in line (device cpu)" in off.explain(2)
     assert on.shared_overlap(2) == (False, "in line (device cpu)")
     x = torch.randn(3, cfg.hidden_size).bfloat16()
+    # on the CPU both run in line: this checks only that the option leaves the forward intact
+    # (the side stream's bits: test_overlap_shared_same_bits_on_gpu, gpu_check_layer.py)
     assert_bitwise_equal(on(x), off(x), "overlap_shared on vs off")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the shared expert's side stream exists only on CUDA")
+@pytest.mark.parametrize("t", [1, 4, 64])
+def test_overlap_shared_same_bits_on_gpu(t):
+    """The shared expert on its side stream (forced) and in line: the same output bits, and
+    explain() names the side stream."""
+    cfg = MoEConfig.tiny()
+    w = random_layer_weights(cfg, layer_idx=cfg.num_hash_layers, seed=2).to("cuda")
+    side, inline = DeepseekV4MoE(cfg, w, overlap_shared=True), DeepseekV4MoE(cfg, w, overlap_shared=False)
+    assert side.shared_overlap(t)[0] and not inline.shared_overlap(t)[0]
+    x = torch.randn(t, cfg.hidden_size, device="cuda").bfloat16()
+    with torch.no_grad():
+        assert_bitwise_equal(side(x), inline(x), "overlap_shared True vs False on the GPU", t=t)
 
 
 def test_shared_overlap_policy_rule():

@@ -78,8 +78,32 @@ def test_reference_matches_transformers_fp32(layer_idx):
     assert rel <= TOLERANCES["unquantised_oracle"].max_rel_l2, rel
 
 
-def test_oracle_detects_missing_gate_clamp():
-    """Guard on the guard: dropping the gate's upper clamp moves the result far outside 1e-5."""
+def test_oracle_detects_missing_gate_clamp(monkeypatch):
+    """Guard on the guard: a reference without the gate's upper clamp alone (the up clamp kept)
+    is far outside the oracle's 1e-5 from transformers' block, clamps intact."""
+    import dsv4_moe.reference.unquantised as U
+
+    def no_gate_clamp(x, gate_up, down, limit, w):
+        i = gate_up.shape[0] // 2
+        gu = x @ gate_up.T
+        h = torch.nn.functional.silu(gu[:, :i]) * torch.clamp(gu[:, i:], -limit, limit)
+        return (h if w is None else h * w[:, None]) @ down.T
+
+    w = random_layer_weights(CFG, layer_idx=1, seed=3)
+    block, d = _hf_block(CFG, w, 1)
+    x = torch.randn(16, CFG.hidden_size) * 40.0
+    with torch.no_grad():
+        want = block(x.view(1, 16, -1)).view(16, -1)
+        assert ((R.moe_forward_unquantised(x, None, w, CFG, torch.float32, dequantised=d) - want).norm()
+                / want.norm()).item() <= TOLERANCES["unquantised_oracle"].max_rel_l2
+        monkeypatch.setattr(U, "_expert", no_gate_clamp)
+        got = R.moe_forward_unquantised(x, None, w, CFG, torch.float32, dequantised=d)
+    assert ((got - want).norm() / want.norm()).item() > 1e-3
+
+
+def test_oracle_detects_missing_clamps():
+    """Guard on the guard: dropping both clamps in transformers' block (its `limit`) moves the
+    result far outside 1e-5."""
     w = random_layer_weights(CFG, layer_idx=1, seed=3)
     block, d = _hf_block(CFG, w, 1)
     x = torch.randn(16, CFG.hidden_size) * 40.0

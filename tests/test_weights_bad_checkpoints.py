@@ -56,8 +56,17 @@ def _load_fails(ckpt, layer, *fragments):
 
 
 def test_good_checkpoint_loads(good):
-    load_layer_weights(good, 0)
-    load_layer_weights(good, 1)
+    """The control: the unedited copy loads, with its config and the shard's bytes (the edits
+    below are the only difference between it and each broken one)."""
+    for layer in (0, 1):
+        config, w = load_layer_weights(good, layer)
+        assert config == CFG and w.layer_idx == layer
+        p = f"layers.{layer}.ffn."
+        shard = load_file(os.path.join(good, SHARD1 if layer == 1 else "model-00001-of-00002.safetensors"))
+        assert torch.equal(w.router.weight.view(torch.int16), shard[p + "gate.weight"].view(torch.int16))
+        assert torch.equal(w.shared.down.view(torch.uint8), shard[p + "shared_experts.w2.weight"].view(torch.uint8))
+        assert torch.equal(w.routed.down[3].view(torch.uint8), shard[p + "experts.3.w2.weight"].view(torch.uint8))
+        assert (w.router.tid2eid is not None) == (layer == 0)
 
 
 def test_tensor_missing_from_shard(ckpt):
