@@ -29,6 +29,7 @@ print("ok")
 """
 
 
-def test_lazy_names_are_stable_and_modules_stay_modules():
-    r = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=300)
+def test_lazy_names_are_stable_and_modules_stay_modules(tmp_path):
+    # a fresh interpreter (nothing imported yet), outside the repository root (the installed package)
+    r = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
