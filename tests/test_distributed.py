@@ -2,6 +2,7 @@
 slice; the all-reduced fp32 result matches the single-rank layer up to the
 association of the fp32 partial sums (SPEC §6)."""
 
+import dataclasses
 import os
 import socket
 
@@ -59,9 +60,11 @@ def _worker(rank, world, port, mode, layer_idx, q):
         out = layer(x, ids)
         if rank == 0:
             ref = reference.moe_forward(x, ids, full, CFG)
+            # the negative control: the reference without the SwiGLU clamps
+            unclamped = reference.moe_forward(x, ids, full, dataclasses.replace(CFG, swiglu_limit=1e30))
             # numpy copies pickle by value (torch tensors would be shared-memory handles
             # that die with this process)
-            q.put(("ok", out.float().numpy(), ref.float().numpy()))
+            q.put(("ok", out.float().numpy(), (ref.float().numpy(), unclamped.float().numpy())))
     except Exception as e:  # report to the parent instead of hanging it
         q.put(("error", repr(e), None))
         raise
@@ -78,12 +81,17 @@ def test_two_ranks_match_single_rank(mode):
     procs = [ctx.Process(target=_worker, args=(r, 2, port, mode, 1, q)) for r in range(2)]
     for p in procs:
         p.start()
-    status, out, ref = q.get(timeout=300)
+    status, out, refs = q.get(timeout=300)
     for p in procs:
         p.join(timeout=60)
     assert status == "ok", out
-    out, ref = torch.from_numpy(out).to(torch.bfloat16), torch.from_numpy(ref).to(torch.bfloat16)
+    out = torch.from_numpy(out).to(torch.bfloat16)
+    ref, unclamped = (torch.from_numpy(r).to(torch.bfloat16) for r in refs)
     # EP: partial sums associate differently (p0 + p1 vs one left-to-right sum);
     # TP: each rank's down GEMM output is rounded to bf16 before the reduce.
-    assert_bf16_close(out, ref, "layer" if mode == "ep" else "tp_vs_single_rank", f"{mode}2 vs single rank")
+    recipe = "layer" if mode == "ep" else "tp_vs_single_rank"
+    assert_bf16_close(out, ref, recipe, f"{mode}2 vs single rank")
     assert not torch.equal(out, torch.zeros_like(out))
+    # the bound would catch a missing clamp on these inputs (TP's recipe bounds only rel L2)
+    with pytest.raises(AssertionError):
+        assert_bf16_close(out, unclamped, recipe, f"{mode}2 vs the unclamped reference")
