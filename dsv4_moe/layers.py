@@ -491,7 +491,12 @@ class DeepseekV4MoE(_NativeBuffers):
         """Why the fused heterogeneous MoE (kernels/aiter_fhmoe.py) does not run this layer."""
         from .kernels.aiter_fhmoe import fhmoe_supported
 
-        return fhmoe_supported(self.context(num_tokens))[1]
+        why = fhmoe_supported(self.context(num_tokens))[1]
+        if self.device.type == "cuda" and torch.version.hip is None:
+            # NOTE: SPEC §5.3's CUDA twin is not built (docs/DESIGN.md, "The fused heterogeneous MoE")
+            return ("this package has no CUDA kernel for it (the shared expert runs as its own launches, on a side "
+                    f"stream where that measured faster); AITER's: {why}")
+        return why
 
     def _gemm_plan(self, num_tokens: int) -> str:
         """The routed MXFP4 GEMM bodies for this T (kernels.routed_experts.routed_configs),

@@ -128,5 +128,8 @@ def test_layer_explains_the_heterogeneous_path():
     cfg = MoEConfig.tiny()
     layer = DeepseekV4MoE(cfg, random_layer_weights(cfg, layer_idx=1))
     text = layer.explain(4)
-    assert f"shared expert as expert {cfg.n_routed_experts} in the routed launch (SPEC §5.3): not taken: " \
-           f"not a ROCm gfx950 device" in text
+    head = f"shared expert as expert {cfg.n_routed_experts} in the routed launch (SPEC §5.3): not taken: "
+    assert head + "not a ROCm gfx950 device" in text
+    if torch.cuda.is_available() and torch.version.hip is None:   # on CUDA it says what is missing first
+        text = DeepseekV4MoE(cfg, random_layer_weights(cfg, layer_idx=1).to("cuda")).explain(4)
+        assert head + "this package has no CUDA kernel for it" in text and "AITER's: not a ROCm gfx950" in text
