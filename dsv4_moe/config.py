@@ -17,6 +17,7 @@ __all__ = ["MoEConfig", "FP8_BLOCK", "MXFP4_GROUP", "ACT_BLOCK"]
 
 # Quantisation granularities fixed by the checkpoint format (SPEC §3, §4.2).
 FP8_BLOCK = 128  # FP8 weight blocks are FP8_BLOCK x FP8_BLOCK (V4, V4-Pro)
+_REQUIRED = object()  # MoEConfig.from_dict: a key with no default
 MXFP4_GROUP = 32  # one e8m0 scale per 32 e2m1 values along K
 ACT_BLOCK = 128  # act_quant: one UE8M0 scale per 128 columns of a row
 
@@ -129,6 +130,12 @@ class MoEConfig:
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, source: str = "<dict>") -> MoEConfig:
+        """A config from official `config.json` keys. The keys that set the numerics or the
+        layer count (hidden_size, moe_intermediate_size, n_routed_experts, num_experts_per_tok,
+        routed_scaling_factor, swiglu_limit, num_hidden_layers, num_hash_layers) are required;
+        every value must have its JSON type (no coercion); errors name `source` and the key."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{source}: expected a JSON object of config keys, got {type(d).__name__}")
         if "text_config" in d and d.get("model_type") != "deepseek_v4":
             raise ValueError(
                 f"{source}: model_type={d.get('model_type')!r} with a text_config (DeepSeek-V4.1) is not "
@@ -136,32 +143,51 @@ class MoEConfig:
         mt = d.get("model_type", "deepseek_v4")
         if mt != "deepseek_v4":
             raise ValueError(f"{source}: model_type={mt!r}: expected 'deepseek_v4'")
-        qc = d.get("quantization_config") or {}
+
+        def typed(key: str, kinds: tuple, what: str, default: Any = _REQUIRED) -> Any:
+            # NOTE: no coercion: int("256"), int(2.5) or bool("false") would load a config other
+            # than the file's without a word (bool is an int to Python, so it is refused apart)
+            if key not in d:
+                if default is _REQUIRED:
+                    raise ValueError(f"{source}: missing required key {key!r} ({what})")
+                return default
+            v = d[key]
+            if isinstance(v, bool) and bool not in kinds or not isinstance(v, kinds):
+                raise ValueError(f"{source}: {key}={v!r}: expected {what}")
+            return v
+
+        qc = d.get("quantization_config", {})
+        if qc is None:
+            qc = {}
+        if not isinstance(qc, dict):
+            raise ValueError(f"{source}: quantization_config={qc!r}: expected a JSON object")
         block = qc.get("weight_block_size", [FP8_BLOCK, FP8_BLOCK])
+        if (not isinstance(block, (list, tuple)) or len(block) != 2
+                or any(isinstance(b, bool) or not isinstance(b, int) for b in block)):
+            raise ValueError(f"{source}: quantization_config.weight_block_size={block!r}: expected a list of two ints")
         expert_dtype = d.get("expert_dtype", qc.get("expert_dtype", "fp4"))
+        if not isinstance(expert_dtype, str):
+            raise ValueError(f"{source}: expert_dtype={expert_dtype!r}: expected a string")
         for key in ("n_group", "topk_group"):
             if d.get(key) not in (None, 1):
                 raise ValueError(f"{source}: {key}={d[key]!r}: group-limited top-k is not part of DeepSeek-V4")
-        required = ("hidden_size", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok")
-        missing = [k for k in required if k not in d]
-        if missing:
-            raise ValueError(f"{source}: missing required keys {missing}")
+        num = (int, float)
         return cls(
-            hidden_size=int(d["hidden_size"]),
-            moe_intermediate_size=int(d["moe_intermediate_size"]),
-            n_routed_experts=int(d["n_routed_experts"]),
-            n_shared_experts=int(d.get("n_shared_experts", 1)),
-            num_experts_per_tok=int(d["num_experts_per_tok"]),
-            routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
-            swiglu_limit=float(d.get("swiglu_limit", 10.0)),
-            num_hidden_layers=int(d.get("num_hidden_layers", 1)),
-            num_hash_layers=int(d.get("num_hash_layers", 0) or 0),
-            vocab_size=int(d.get("vocab_size", 129280)),
-            scoring_func=str(d.get("scoring_func", "sqrtsoftplus")),
-            topk_method=str(d.get("topk_method", "noaux_tc")),
-            norm_topk_prob=bool(d.get("norm_topk_prob", True)),
-            expert_dtype=str(expert_dtype),
-            fp8_block_size=tuple(int(b) for b in block),
+            hidden_size=typed("hidden_size", (int,), "an int"),
+            moe_intermediate_size=typed("moe_intermediate_size", (int,), "an int"),
+            n_routed_experts=typed("n_routed_experts", (int,), "an int"),
+            n_shared_experts=typed("n_shared_experts", (int,), "an int", 1),
+            num_experts_per_tok=typed("num_experts_per_tok", (int,), "an int"),
+            routed_scaling_factor=float(typed("routed_scaling_factor", num, "a number (1.5 Flash, 2.5 Pro)")),
+            swiglu_limit=float(typed("swiglu_limit", num, "a number (10.0 in V4)")),
+            num_hidden_layers=typed("num_hidden_layers", (int,), "an int"),
+            num_hash_layers=typed("num_hash_layers", (int,), "an int (3 in V4)"),
+            vocab_size=typed("vocab_size", (int,), "an int", 129280),
+            scoring_func=typed("scoring_func", (str,), "a string", "sqrtsoftplus"),
+            topk_method=typed("topk_method", (str,), "a string", "noaux_tc"),
+            norm_topk_prob=typed("norm_topk_prob", (bool,), "true or false", True),
+            expert_dtype=expert_dtype,
+            fp8_block_size=tuple(block),
             model_type=mt,
             name=str(d.get("_dsv4_moe_name", "custom")),
         )
@@ -183,11 +209,11 @@ class MoEConfig:
             path = os.path.join(path, "config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"from_pretrained: no config.json at {path!r}")
-        with open(path) as f:
+        with open(path, "rb") as f:
             try:
-                d = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: not valid JSON ({e})") from e
+                d = json.loads(f.read().decode("utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{path}: not valid UTF-8 JSON ({e})") from e
         return cls.from_dict(d, source=path)
 
     def to_dict(self) -> dict[str, Any]:

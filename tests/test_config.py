@@ -73,3 +73,36 @@ def test_check_parallel():
         p.check_parallel(tp_size=16)  # 3072/16 = 192: whole MXFP4 groups but not whole FP8 blocks
     with pytest.raises(ValueError, match="combine one of them"):
         p.check_parallel(tp_size=2, ep_size=2)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda d: d.update(hidden_size=256.9), r"hidden_size=256.9: expected an int"),
+    (lambda d: d.update(n_routed_experts="8"), r"n_routed_experts='8': expected an int"),
+    (lambda d: d.update(num_experts_per_tok=True), r"num_experts_per_tok=True: expected an int"),
+    (lambda d: d.update(norm_topk_prob="false"), r"norm_topk_prob='false': expected true or false"),
+    (lambda d: d.update(num_hash_layers=None), r"num_hash_layers=None: expected an int"),
+    (lambda d: d.update(routed_scaling_factor="1.5"), r"routed_scaling_factor='1.5': expected a number"),
+    (lambda d: d.pop("routed_scaling_factor"), r"missing required key 'routed_scaling_factor'"),
+    (lambda d: d.pop("num_hidden_layers"), r"missing required key 'num_hidden_layers'"),
+    (lambda d: d.pop("swiglu_limit"), r"missing required key 'swiglu_limit'"),
+    (lambda d: d["quantization_config"].update(weight_block_size=128), r"weight_block_size=128: expected a list"),
+    (lambda d: d.update(quantization_config=[1]), r"quantization_config=\[1\]: expected a JSON object"),
+])
+def test_config_json_values_are_not_coerced(tmp_path, edit, match):
+    """A config.json value of the wrong JSON type, or a missing key that sets the numerics,
+    is an error naming the file and the key - never truncated, parsed or defaulted."""
+    d = MoEConfig.flash().to_dict()
+    edit(d)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=match) as ei:
+        MoEConfig.from_pretrained(tmp_path)
+    assert str(tmp_path / "config.json") in str(ei.value)
+
+
+@pytest.mark.parametrize("raw,match", [(b"[1]", "expected a JSON object of config keys, got list"),
+                                       (b'{"hidden_size": "\xff"}', "not valid UTF-8 JSON"),
+                                       (b"{", "not valid UTF-8 JSON")])
+def test_config_json_not_an_object(tmp_path, raw, match):
+    (tmp_path / "config.json").write_bytes(raw)
+    with pytest.raises(ValueError, match=match):
+        MoEConfig.from_pretrained(tmp_path)
