@@ -182,3 +182,48 @@ def test_out_of_range_slice_is_refused(good):
 def test_missing_checkpoint_files(tmp_path):
     with pytest.raises(CheckpointError, match="neither"):
         CheckpointReader(tmp_path)
+
+
+@pytest.mark.parametrize("name,layer,edit,what", [
+    ("layers.1.ffn.experts.1.w2.scale", 1, lambda t: t.view(torch.uint8).fill_(0xFF), "NaN e8m0 scales"),
+    ("layers.1.ffn.shared_experts.w1.scale", 1, lambda t: t.view(torch.uint8)[0, 0].fill_(0xFF), "NaN e8m0 scales"),
+    ("layers.1.ffn.shared_experts.w1.weight", 1, lambda t: t.view(torch.uint8)[0, 3].fill_(0x7F), "NaN FP8 e4m3"),
+    ("layers.1.ffn.gate.bias", 1, lambda t: t.__setitem__(2, float("nan")), "non-finite values"),
+    ("layers.1.ffn.gate.weight", 1, lambda t: t.__setitem__((0, 0), float("inf")), "non-finite values"),
+    ("layers.0.ffn.gate.tid2eid", 0, lambda t: t.__setitem__((5, 1), 8), "expert ids outside [0, 8)"),
+    ("layers.0.ffn.gate.tid2eid", 0, lambda t: t.__setitem__((5, 1), -1), "expert ids outside [0, 8)"),
+    ("layers.0.ffn.gate.tid2eid", 0, lambda t: t.__setitem__((7, 1), int(t[7, 0])), "repeated expert ids"),
+])
+def test_corrupt_values_name_tensor_and_shard(ckpt, name, layer, edit, what):
+    """Values a well-formed header cannot vouch for: NaN scales or FP8 codes, non-finite router
+    tensors, hash-table ids outside [0, E) or repeated in a row."""
+    shard = SHARD1 if layer == 1 else "model-00001-of-00002.safetensors"
+    _edit_shard(ckpt, shard, lambda ts: edit(ts[name]))
+    _load_fails(ckpt, layer, name, shard, what)
+
+
+def test_index_not_utf8_or_with_a_duplicated_key(ckpt):
+    path = os.path.join(ckpt, "model.safetensors.index.json")
+    with open(path, "rb") as f:
+        raw = f.read()
+    with open(path, "wb") as f:
+        f.write(b'{"weight_map": {"\xff\xfe": 1}}')
+    _load_fails(ckpt, 1, "model.safetensors.index.json", "not valid UTF-8 JSON")
+    name = '"layers.1.ffn.gate.weight": "' + SHARD1 + '"'
+    with open(path, "wb") as f:
+        f.write(raw.replace(name.encode(), (name + ", " + name).encode(), 1))
+    _load_fails(ckpt, 1, "model.safetensors.index.json", "'layers.1.ffn.gate.weight' appears more than once")
+
+
+def test_a_second_copy_in_an_opened_shard(tmp_path):
+    """Layer 1 spread over two shards: a copy of one of its tensors in the shard the index does
+    not map it to is named, with both shards."""
+    d = write_checkpoint(tmp_path / "c", CFG, layers=[0, 1], seed=11, num_shards=3)
+    with open(os.path.join(d, "model.safetensors.index.json")) as f:
+        wm = json.load(f)["weight_map"]
+    shards = sorted({s for n, s in wm.items() if n.startswith("layers.1.")})
+    assert len(shards) == 2
+    name = next(n for n, s in wm.items() if n.startswith("layers.1.") and s == shards[1])
+    copy = load_file(os.path.join(d, shards[1]))[name]
+    _edit_shard(d, shards[0], lambda ts: ts.__setitem__(name, copy))
+    _load_fails(d, 1, name, shards[0], shards[1], "duplicated")

@@ -6,7 +6,8 @@ Steps: read `config.json` (MoEConfig.from_pretrained); check the parallel split;
 the index's names for this layer with what the config implies (expert count, hash vs
 bias); build the exact name list (weights.names) with each rank's slice
 (weights.slicing); check every tensor's dtype, shape and shard before reading any;
-read only this rank's bytes, only from the shards that hold them; assemble the
+read only this rank's bytes, only from the shards that hold them, checking the values a
+header cannot vouch for (NaN scales and FP8 codes, tid2eid ids); assemble the
 containers (weights.prepare) directly on `device`, one expert at a time.
 """
 
@@ -76,6 +77,39 @@ def _show_progress(progress: Optional[bool], num_experts: int) -> bool:
     return sys.stderr.isatty() and num_experts > _PROGRESS_MIN_EXPERTS
 
 
+def _check_values(reader: CheckpointReader, tensors: dict[str, torch.Tensor], num_experts: int) -> None:
+    """The values a well-formed header can still hide, checked as each group of tensors is
+    read: NaN e8m0 scales (0xFF) and FP8 e4m3 weights (S.1111.111), non-finite router weights
+    or bias, tid2eid ids outside [0, E) or repeated in a row. CheckpointError naming the tensor
+    and shard. The MXFP4 e2m1 codes have no invalid values."""
+    for name, t in tensors.items():
+        def bad(what: str, mask: torch.Tensor) -> None:
+            first = tuple(int(i) for i in torch.nonzero(mask)[0])
+            where = os.path.join(reader.checkpoint_dir, reader.shard_of(name))
+            raise CheckpointError(f"tensor {name!r} in shard {where!r}: {int(mask.sum())} {what}, first at {first}")
+
+        if t.dtype == torch.float8_e8m0fnu:
+            mask = t.view(torch.uint8) == 0xFF
+            if mask.any():
+                bad("NaN e8m0 scales (byte 0xFF)", mask)
+        elif t.dtype == torch.float8_e4m3fn:
+            mask = (t.view(torch.uint8) & 0x7F) == 0x7F
+            if mask.any():
+                bad("NaN FP8 e4m3 values (byte 0x7F / 0xFF)", mask)
+        elif t.is_floating_point():
+            mask = ~torch.isfinite(t)
+            if mask.any():
+                bad("non-finite values", mask)
+        elif name.endswith("gate.tid2eid"):
+            mask = (t < 0) | (t >= num_experts)
+            if mask.any():
+                bad(f"expert ids outside [0, {num_experts})", mask)
+            srt = t.sort(dim=1).values
+            mask = srt[:, 1:] == srt[:, :-1]
+            if mask.any():
+                bad("repeated expert ids within a token's row (a token's k experts must be distinct)", mask)
+
+
 def load_layer_weights(checkpoint_dir: str | os.PathLike, layer_idx: int, *, device: torch.device | str = "cpu",
                        tp_rank: int = 0, tp_size: int = 1, ep_rank: int = 0, ep_size: int = 1,
                        progress: Optional[bool] = None) -> tuple[MoEConfig, MoELayerWeights]:
@@ -108,11 +142,13 @@ def load_layer_weights(checkpoint_dir: str | os.PathLike, layer_idx: int, *, dev
         reader.check(router_req + shared_req + [r for rs in expert_req for r in rs])
 
         t = reader.read(router_req)
+        _check_values(reader, t, config.n_routed_experts)
         p = layer_prefix(layer_idx)
         router = prepare.prepare_router(
             t[p + "gate.weight"], None if is_hash else t[p + "gate.bias"], t[p + "gate.tid2eid"] if is_hash else None)
 
         t = reader.read(shared_req)
+        _check_values(reader, t, config.n_routed_experts)
         shared = prepare.prepare_shared({".".join(r.spec.name.split(".")[-2:]): t[r.spec.name] for r in shared_req})
 
         routed = prepare.empty_routed(len(local), config.hidden_size, config.local_intermediate(tp_size),
@@ -123,6 +159,7 @@ def load_layer_weights(checkpoint_dir: str | os.PathLike, layer_idx: int, *, dev
                   disable=not _show_progress(progress, len(local))) as bar:
             for j, reqs in enumerate(expert_req):
                 t = reader.read(reqs)
+                _check_values(reader, t, config.n_routed_experts)
                 prepare.place_expert(routed, j, {".".join(r.spec.name.split(".")[-2:]): t[r.spec.name] for r in reqs})
                 bar.update(1)
 

@@ -83,11 +83,18 @@ class CheckpointReader:
     # ------------------------------------------------------------------ index
     @staticmethod
     def _read_index(path: str) -> dict[str, str]:
+        def no_duplicates(pairs):
+            keys = [k for k, _ in pairs]
+            dup = next((k for k in keys if keys.count(k) > 1), None)
+            if dup is not None:   # json would keep the last silently
+                raise CheckpointError(f"{path}: key {dup!r} appears more than once")
+            return dict(pairs)
+
         try:
-            with open(path) as f:
-                doc = json.load(f)
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+            with open(path, "rb") as f:
+                doc = json.loads(f.read().decode("utf-8"), object_pairs_hook=no_duplicates)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: not valid UTF-8 JSON ({e})") from e
         wm = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(wm, dict):
             raise CheckpointError(f"{path}: expected an object with a 'weight_map' object")
@@ -147,11 +154,21 @@ class CheckpointReader:
         by_shard: dict[str, list[TensorRequest]] = {}
         for r in requests:
             by_shard.setdefault(self.shard_of(r.spec.name), []).append(r)
+        wanted = {r.spec.name for r in requests}
+        stray: list[tuple[str, str]] = []
         for shard, reqs in by_shard.items():
             handle = self._open(shard, [r.spec.name for r in reqs])
             keys = set(handle.keys())
             for r in reqs:
                 self._check_one(handle, keys, shard, r)
+            stray += [(n, shard) for n in sorted(keys & wanted) if self.weight_map.get(n) != shard]
+        # a requested tensor also in a shard the index does not map it to: two copies, and which
+        # one is meant is not knowable (only the shards opened for the request are looked at)
+        if stray:
+            name, shard = stray[0]
+            raise CheckpointError(
+                f"tensor {name!r} is in shard {os.path.join(self.checkpoint_dir, shard)!r} and, by the index, in "
+                f"{self.weight_map.get(name)!r}: duplicated ({len(stray)} such tensors)")
 
     def _check_one(self, handle: Any, keys: set, shard: str, r: TensorRequest) -> None:
         spec = r.spec
