@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,27 +75,34 @@ class MoEConfig:
             raise ValueError(
                 f"MoEConfig.expert_dtype={self.expert_dtype!r}: expected one of {_SUPPORTED_EXPERT_DTYPE} "
                 "(FP8 routed experts of V4-Flash-Base are not supported yet)")
-        if self.n_shared_experts != 1:
+        if isinstance(self.n_shared_experts, bool) or self.n_shared_experts != 1 or not isinstance(
+                self.n_shared_experts, int):
             raise ValueError(f"MoEConfig.n_shared_experts={self.n_shared_experts!r}: expected 1")
-        if not self.norm_topk_prob:
-            raise ValueError("MoEConfig.norm_topk_prob=False: DeepSeek-V4 always renormalises; expected True")
+        if self.norm_topk_prob is not True:
+            raise ValueError(f"MoEConfig.norm_topk_prob={self.norm_topk_prob!r}: DeepSeek-V4 always renormalises; "
+                             "expected True")
         if self.num_experts_per_tok > self.n_routed_experts:
             raise ValueError(
                 f"MoEConfig.num_experts_per_tok={self.num_experts_per_tok} exceeds "
                 f"n_routed_experts={self.n_routed_experts}")
-        if not (isinstance(self.num_hash_layers, int) and 0 <= self.num_hash_layers <= self.num_hidden_layers):
+        if not (isinstance(self.num_hash_layers, int) and not isinstance(self.num_hash_layers, bool)
+                and 0 <= self.num_hash_layers <= self.num_hidden_layers):
             raise ValueError(
                 f"MoEConfig.num_hash_layers={self.num_hash_layers!r}: expected an int in "
                 f"[0, num_hidden_layers={self.num_hidden_layers}]")
+        blk = self.fp8_block_size
+        if (not isinstance(blk, (tuple, list)) or len(blk) != 2
+                or any(isinstance(b, bool) or not isinstance(b, int) for b in blk)):
+            raise ValueError(f"MoEConfig.fp8_block_size={blk!r}: expected two ints, ({FP8_BLOCK}, {FP8_BLOCK})")
         if tuple(self.fp8_block_size) != (FP8_BLOCK, FP8_BLOCK):
             raise ValueError(
                 f"MoEConfig.fp8_block_size={self.fp8_block_size!r}: only [{FP8_BLOCK}, {FP8_BLOCK}] is supported "
                 "(V4.1's [32, 32] blocks are not supported yet)")
         object.__setattr__(self, "fp8_block_size", tuple(self.fp8_block_size))
-        if not (self.routed_scaling_factor > 0):
-            raise ValueError(f"MoEConfig.routed_scaling_factor={self.routed_scaling_factor!r}: expected > 0")
-        if not (self.swiglu_limit > 0):
-            raise ValueError(f"MoEConfig.swiglu_limit={self.swiglu_limit!r}: expected > 0")
+        for key in ("routed_scaling_factor", "swiglu_limit"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
+                raise ValueError(f"MoEConfig.{key}={v!r}: expected a finite number > 0")
         for key, div in (("hidden_size", 2 * MXFP4_GROUP), ("moe_intermediate_size", MXFP4_GROUP)):
             v = getattr(self, key)
             if v % div:
@@ -123,7 +131,7 @@ class MoEConfig:
     @classmethod
     def preset(cls, name: str) -> MoEConfig:
         presets = {"flash": cls.flash, "pro": cls.pro, "tiny": cls.tiny}
-        if name not in presets:
+        if not isinstance(name, str) or name not in presets:
             raise ValueError(f"preset={name!r}: expected one of {sorted(presets)}")
         return presets[name]()
 
@@ -246,7 +254,8 @@ class MoEConfig:
 
     # ------------------------------------------------------------------ facts
     def is_hash_layer(self, layer_idx: int) -> bool:
-        if not isinstance(layer_idx, int) or layer_idx < 0 or layer_idx >= self.num_hidden_layers:
+        if (isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0
+                or layer_idx >= self.num_hidden_layers):
             raise ValueError(
                 f"layer_idx={layer_idx!r}: expected an int in [0, num_hidden_layers={self.num_hidden_layers})")
         return layer_idx < self.num_hash_layers
@@ -254,9 +263,9 @@ class MoEConfig:
     def check_parallel(self, *, tp_rank: int = 0, tp_size: int = 1, ep_rank: int = 0, ep_size: int = 1) -> None:
         """Raise ValueError if this config cannot be split this way (SPEC §6)."""
         for key, rank, size in (("tp", tp_rank, tp_size), ("ep", ep_rank, ep_size)):
-            if not isinstance(size, int) or size < 1:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"{key}_size={size!r}: expected an int >= 1")
-            if not isinstance(rank, int) or not 0 <= rank < size:
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
                 raise ValueError(f"{key}_rank={rank!r}: expected an int in [0, {key}_size={size})")
         if tp_size > 1 and ep_size > 1:
             raise ValueError(f"tp_size={tp_size} with ep_size={ep_size}: combine one of them, not both")

@@ -55,6 +55,15 @@ def test_v41_is_rejected_by_name(tmp_path):
     ({"fp8_block_size": (32, 32)}, r"fp8_block_size=\(32, 32\)"),
     ({"moe_intermediate_size": 100}, "moe_intermediate_size=100"),
     ({"num_hash_layers": 99}, "num_hash_layers=99"),
+    ({"num_hash_layers": True}, "num_hash_layers=True"),
+    ({"routed_scaling_factor": float("inf")}, "routed_scaling_factor=inf: expected a finite number"),
+    ({"routed_scaling_factor": "1.5"}, "routed_scaling_factor='1.5': expected a finite number"),
+    ({"swiglu_limit": True}, "swiglu_limit=True: expected a finite number"),
+    ({"swiglu_limit": float("nan")}, "swiglu_limit=nan"),
+    ({"n_shared_experts": True}, "n_shared_experts=True: expected 1"),
+    ({"norm_topk_prob": "no"}, "norm_topk_prob='no'"),
+    ({"fp8_block_size": (128.0, 128.0)}, r"fp8_block_size=\(128.0, 128.0\): expected two ints"),
+    ({"fp8_block_size": 128}, "fp8_block_size=128: expected two ints"),
 ])
 def test_validation_names_the_value(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -106,3 +115,15 @@ def test_config_json_not_an_object(tmp_path, raw, match):
     (tmp_path / "config.json").write_bytes(raw)
     with pytest.raises(ValueError, match=match):
         MoEConfig.from_pretrained(tmp_path)
+
+
+def test_parallel_and_layer_arguments_refuse_bools():
+    c = MoEConfig.tiny()
+    with pytest.raises(ValueError, match="tp_size=True"):
+        c.check_parallel(tp_size=True)
+    with pytest.raises(ValueError, match="ep_rank=False"):
+        c.check_parallel(ep_rank=False)
+    with pytest.raises(ValueError, match="layer_idx=True"):
+        c.is_hash_layer(True)
+    with pytest.raises(ValueError, match=r"preset=\['flash'\]"):
+        MoEConfig.preset(["flash"])
