@@ -1,6 +1,7 @@
 """Layer API: shapes, dtypes, errors naming the bad value, zero tokens, dispatch and
 the CLI's main job on the embedded default."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -475,3 +476,59 @@ def test_select_memo_follows_forcing_and_env(monkeypatch):
     assert dispatch.select("finalize", ctx).name == "fused"  # memoised
     dispatch.clear_plan_cache()
     assert dispatch.select("finalize", ctx).name == "reference"
+
+
+def test_input_ids_checked_on_every_layer(layers):
+    """Hash layer: ids outside [0, vocab_size) (-1 would read the table's last row) are a
+    ValueError naming the range; any layer: a non-tensor is a TypeError, a wrong shape a
+    ValueError (engines pass the ids to every layer)."""
+    x, ids = _x(4)
+    for bad in (torch.tensor([0, 1, -1, 2]), torch.tensor([0, CFG.vocab_size, 1, 2], dtype=torch.int32)):
+        with pytest.raises(ValueError, match=rf"input_ids: ids in \[-?\d+, \d+\], expected \[0, vocab_size={CFG.vocab_size}\)"):
+            layers[0](x, bad)
+    for li in (0, 1):
+        with pytest.raises(TypeError, match="input_ids must be a torch.Tensor"):
+            layers[li](x, [1, 2, 3, 4])
+    with pytest.raises(ValueError, match=r"input_ids.shape=\(7,\): expected \[4\]"):
+        layers[1](x, torch.zeros(7, dtype=torch.int64))
+    assert_bitwise_equal(layers[1](x, ids), layers[1](x), "top-k layer: input_ids unused")
+
+
+def _router_edit(li, **router):
+    w = random_layer_weights(CFG, layer_idx=li, seed=li)
+    return dataclasses.replace(w, router=dataclasses.replace(w.router, **router))
+
+
+@pytest.mark.parametrize("make,err,match", [
+    (lambda: (dataclasses.replace(CFG, num_hash_layers=0), random_layer_weights(CFG, layer_idx=0)), ValueError,
+     "the weights are hash-routed, but the config's num_hash_layers=0 makes it top-k routed"),
+    (lambda: (dataclasses.replace(CFG, num_experts_per_tok=2), random_layer_weights(CFG, layer_idx=0)), ValueError,
+     r"router tid2eid: torch.int64 shape \(1024, 6\), expected int64 \(or int32\) \[vocab_size=1024, "
+     r"num_experts_per_tok=2\]"),
+    (lambda: (CFG, _router_edit(0, tid2eid=torch.full((CFG.vocab_size, 6), CFG.n_routed_experts))), ValueError,
+     r"router tid2eid: ids in \[16, 16\], expected \[0, n_routed_experts=16\)"),
+    (lambda: (CFG, _router_edit(1, bias=torch.zeros(3))), ValueError, r"router bias: torch.float32 shape \(3,\)"),
+    (lambda: (CFG, dataclasses.replace(random_layer_weights(CFG, layer_idx=1), layer_idx=-5)), ValueError,
+     "weights.layer_idx=-5"),
+    (lambda: (None, random_layer_weights(CFG, layer_idx=1)), TypeError, "config: expected a MoEConfig, got NoneType"),
+    (lambda: (CFG, "x"), TypeError, "weights: expected MoELayerWeights, got str"),
+])
+def test_weights_that_do_not_fit_the_config(make, err, match):
+    cfg, w = make()
+    with pytest.raises(err, match=match):
+        DeepseekV4MoE(cfg, w)
+
+
+def test_mlp_arguments_and_explain_token_counts(layers):
+    w = random_layer_weights(CFG, layer_idx=1).shared
+    with pytest.raises(ValueError, match="tp_size=0: expected an int >= 1"):
+        DeepseekV4MLP(CFG, w, tp_size=0)
+    with pytest.raises(ValueError, match="tp_size=1.0"):
+        DeepseekV4MLP(CFG, w, tp_size=1.0)
+    with pytest.raises(TypeError, match="weights: expected SharedExpertWeights"):
+        DeepseekV4MLP(CFG, random_layer_weights(CFG, layer_idx=1).router)
+    for bad in (-3, 3.5, True, "16", None):
+        with pytest.raises(ValueError, match=r"num_tokens=.*: expected an int >= 0"):
+            layers[1].explain(bad)
+        with pytest.raises(ValueError, match=r"num_tokens=.*: expected an int >= 0"):
+            layers[1].shared_experts.explain(bad)
