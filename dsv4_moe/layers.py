@@ -230,6 +230,9 @@ class DeepseekV4MoE(_NativeBuffers):
         self._prefetch_streams: dict = {}
         self._contexts: dict = {}  # (T, device) -> DispatchContext (immutable per layer)
         _check_types(config, weights, MoELayerWeights)
+        if group is not None and not (torch.distributed.is_available()
+                                      and isinstance(group, torch.distributed.ProcessGroup)):
+            raise TypeError(f"group={group!r}: expected None (the default group) or a torch.distributed.ProcessGroup")
         config.check_parallel(tp_rank=weights.tp_rank, tp_size=weights.tp_size, ep_rank=weights.ep_rank,
                               ep_size=weights.ep_size)
         r = weights.routed

@@ -532,3 +532,22 @@ def test_mlp_arguments_and_explain_token_counts(layers):
             layers[1].explain(bad)
         with pytest.raises(ValueError, match=r"num_tokens=.*: expected an int >= 0"):
             layers[1].shared_experts.explain(bad)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"device": "foo"}, "device='foo': not a device torch knows"),
+    ({"device": None}, "device=None: expected 'cpu', 'cuda', 'cuda:N' or a torch.device"),
+    ({"device": "meta"}, "device='meta': expected a cpu or cuda device"),
+    ({"device": "cpu:1"}, "device='cpu:1': the CPU has no index 1"),
+    ({"device": "cuda:99"}, "device='cuda:99': "),
+    ({"progress": "yes"}, "progress='yes': expected True, False or None"),
+])
+def test_load_arguments_named(kw, match):
+    from dsv4_moe.weights.default import DEFAULT_CHECKPOINT_DIR
+
+    with pytest.raises(ValueError, match=match):
+        load_moe_layer(DEFAULT_CHECKPOINT_DIR, 1, **kw)
+    if "device" not in kw:
+        return
+    with pytest.raises(TypeError, match="group='notagroup'"):
+        DeepseekV4MoE(CFG, random_layer_weights(CFG, layer_idx=1), group="notagroup")

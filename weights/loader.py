@@ -77,6 +77,28 @@ def _show_progress(progress: Optional[bool], num_experts: int) -> bool:
     return sys.stderr.isatty() and num_experts > _PROGRESS_MIN_EXPERTS
 
 
+def _check_device(device) -> torch.device:
+    """torch.device(device), or a ValueError naming it: a string torch cannot parse, a type
+    other than cpu / cuda, or a CUDA device this process does not have."""
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise ValueError(f"device={device!r}: expected 'cpu', 'cuda', 'cuda:N' or a torch.device")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device={device!r}: not a device torch knows ({e})") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: expected a cpu or cuda device, got type {dev.type!r}")
+    if dev.type == "cpu" and dev.index not in (None, 0):
+        raise ValueError(f"device={device!r}: the CPU has no index {dev.index}")
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ValueError(f"device={device!r}: no CUDA device in this process (torch {torch.__version__})")
+        if dev.index is not None and dev.index >= n:
+            raise ValueError(f"device={device!r}: this process has {n} CUDA device(s)")
+    return dev
+
+
 def _check_values(reader: CheckpointReader, tensors: dict[str, torch.Tensor], num_experts: int) -> None:
     """The values a well-formed header can still hide, checked as each group of tensors is
     read: NaN e8m0 scales (0xFF) and FP8 e4m3 weights (S.1111.111), non-finite router weights
@@ -122,10 +144,12 @@ def load_layer_weights(checkpoint_dir: str | os.PathLike, layer_idx: int, *, dev
     loads more than 32 experts. Raises CheckpointError (a ValueError) naming the
     tensor and shard for anything missing or inconsistent; nothing is returned then.
     """
+    device = _check_device(device)
+    if progress is not None and not isinstance(progress, bool):
+        raise ValueError(f"progress={progress!r}: expected True, False or None (a bar when stderr is a terminal)")
     config = MoEConfig.from_pretrained(checkpoint_dir)
     config.check_parallel(tp_rank=tp_rank, tp_size=tp_size, ep_rank=ep_rank, ep_size=ep_size)
     is_hash = config.is_hash_layer(layer_idx)
-    device = torch.device(device)
     local = ep_experts(config, ep_rank, ep_size)
 
     def requests(specs):
