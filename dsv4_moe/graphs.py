@@ -37,6 +37,12 @@ class GraphedMoE:
                  clone: bool = True):
         if not isinstance(layer, DeepseekV4MoE):
             raise TypeError(f"layer: expected a DeepseekV4MoE, got {type(layer).__name__}")
+        if isinstance(token_counts, (str, bytes)) or not (isinstance(token_counts, int)
+                                                           or hasattr(token_counts, "__iter__")):
+            raise ValueError(f"token_counts={token_counts!r}: expected an int or an iterable of ints >= 1")
+        for key, v in (("strict", strict), ("clone", clone)):
+            if not isinstance(v, bool):
+                raise ValueError(f"{key}={v!r}: expected True or False")
         counts = tuple(token_counts) if not isinstance(token_counts, int) else (token_counts,)
         bad = [t for t in counts if isinstance(t, bool) or not isinstance(t, int) or t < 1]
         if not counts or bad:

@@ -455,6 +455,11 @@ def test_graphed_moe_rejects_bad_arguments(layers):
     for bad in ((), (0,), (1, True), (2.0,)):
         with pytest.raises(ValueError, match=r"token_counts=.*expected one or more ints >= 1"):
             GraphedMoE(layer, bad)
+    for bad in (None, "16"):
+        with pytest.raises(ValueError, match=r"token_counts=.*expected an int or an iterable of ints >= 1"):
+            GraphedMoE(layer, bad)
+    with pytest.raises(ValueError, match="strict='no': expected True or False"):
+        GraphedMoE(layer, (1,), strict="no")
     with pytest.raises(ValueError, match="layer is on cpu: CUDA graphs need the layer on a CUDA device"):
         GraphedMoE(layer, (1, 4))
 
