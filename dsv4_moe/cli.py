@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Optional, Sequence
@@ -32,6 +33,10 @@ def _layers_arg(s: Optional[str], num_layers: int) -> list[int]:
         layers = [int(v) for v in s.split(",") if v.strip()]
     except ValueError:
         raise SystemExit(f"--layer={s!r}: expected an int, a comma-separated list, or 'all'")
+    if not layers:
+        raise SystemExit(f"--layer={s!r}: names no layer; expected an int, a comma-separated list, or 'all'")
+    if len(set(layers)) != len(layers):
+        raise SystemExit(f"--layer={s!r}: a layer is named twice")
     for li in layers:
         if not 0 <= li < num_layers:
             raise SystemExit(f"--layer={li}: the checkpoint has layers 0..{num_layers - 1}")
@@ -39,12 +44,14 @@ def _layers_arg(s: Optional[str], num_layers: int) -> list[int]:
 
 
 def _device(name: str) -> torch.device:
+    from dsv4_moe.weights.loader import _check_device
+
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device={name}: CUDA is not available on this machine")
-    return dev
+    try:
+        return _check_device(name)
+    except ValueError as e:
+        raise SystemExit(f"--{e}")
 
 
 def _inputs(config, tokens: int, device, seed: int):
@@ -164,6 +171,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub.add_parser("bench", help="layer-level benchmark (see `bench --help`)")
     sub.add_parser("make-checkpoint", help="write a synthetic checkpoint (see `make-checkpoint --help`)")
     args = p.parse_args(argv)
-    if args.tokens < 0:
-        p.error(f"--tokens={args.tokens}: expected >= 0")
+    if args.tokens < 1:
+        p.error(f"--tokens={args.tokens}: expected >= 1")
+    if args.cmd == "run" and not 0 <= args.seed < 2 ** 63:
+        p.error(f"--seed={args.seed}: expected an int in [0, 2^63)")
+    if args.checkpoint is not None and not os.path.isfile(os.path.join(args.checkpoint, "config.json")):
+        p.error(f"--checkpoint={args.checkpoint!r}: no config.json there (a checkpoint directory is expected)")
     return {"run": cmd_run, "explain": cmd_explain}[args.cmd](args)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import platform
 import shlex
@@ -276,7 +277,13 @@ def _apply_set(item: str) -> str:
 
 
 def main(argv: Optional[list[str]] = None, prog: str = "python -m dsv4_moe bench") -> int:
-    args = build_parser(prog).parse_args(argv)
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    for flag, v, lo in (("--sets", args.sets, 0), ("--reps", args.reps, 0), ("--check-rows", args.check_rows, 0)):
+        if v < lo:
+            parser.error(f"{flag}={v}: expected >= {lo}")
+    if not (args.budget_s > 0 and math.isfinite(args.budget_s)):
+        parser.error(f"--budget-s={args.budget_s}: expected a finite number of seconds > 0")
     argv = list(sys.argv[1:] if argv is None else argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
