@@ -282,8 +282,8 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m dsv4_moe bench
     for flag, v, lo in (("--sets", args.sets, 0), ("--reps", args.reps, 0), ("--check-rows", args.check_rows, 0)):
         if v < lo:
             parser.error(f"{flag}={v}: expected >= {lo}")
-    if not (args.budget_s > 0 and math.isfinite(args.budget_s)):
-        parser.error(f"--budget-s={args.budget_s}: expected a finite number of seconds > 0")
+    if not (args.budget_s >= 0 and math.isfinite(args.budget_s)):   # 0: every row skipped, with the reason
+        parser.error(f"--budget-s={args.budget_s}: expected a finite number of seconds >= 0")
     argv = list(sys.argv[1:] if argv is None else argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
