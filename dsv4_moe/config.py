@@ -212,6 +212,9 @@ class MoEConfig:
                 if types is not None:
                     d = dict(d, num_hash_layers=sum(t == "hash_moe" for t in types))
             return cls.from_dict(d, source=type(source).__name__)
+        if not isinstance(source, (str, os.PathLike)):
+            raise TypeError(f"from_pretrained: source={source!r}: expected a checkpoint directory, a config.json "
+                            f"path or a transformers DeepseekV4Config")
         path = os.fspath(source)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")

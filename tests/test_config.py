@@ -127,3 +127,9 @@ def test_parallel_and_layer_arguments_refuse_bools():
         c.is_hash_layer(True)
     with pytest.raises(ValueError, match=r"preset=\['flash'\]"):
         MoEConfig.preset(["flash"])
+
+
+def test_from_pretrained_source_type():
+    for bad in (None, 123, {}):
+        with pytest.raises(TypeError, match="from_pretrained: source=.*expected a checkpoint directory"):
+            MoEConfig.from_pretrained(bad)
