@@ -10,6 +10,7 @@ synthetic layers are these. Checkpoint-format tests use
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -100,11 +101,15 @@ class Tolerance:
     max_mismatch_frac  fraction of bf16 elements allowed to differ at all
     max_ulp            the largest allowed difference, in bf16 ulps of the reference value
     max_rel_l2         ||out - ref|| / ||ref||
+    max_rel_magnitude  GEMMs only, for callers that compute the magnitude of each output's
+                       summed terms (the GEMM on |a| and |w|): an output past max_ulp passes if
+                       |out - ref| <= this fraction of that magnitude (None: none may)
     """
 
     max_mismatch_frac: float
     max_ulp: int
     max_rel_l2: float
+    max_rel_magnitude: Optional[float] = None
 
 
 # NOTE: one table keyed by recipe (STYLE rule 3). The GEMM entries allow only the
@@ -114,7 +119,18 @@ class Tolerance:
 # swapped w1/w3 changes most elements: none of them fits in these bounds.
 TOLERANCES: dict[str, Tolerance] = {
     "bitwise": Tolerance(0.0, 0, 0.0),
-    "fp8_gemm": Tolerance(0.02, 1, 1e-3),
+    # an output that cancels to far below its terms can move by more than 1 ulp of its own from a
+    # last-bit change of its partials: the in-block fp32 order freedom itself, worst case 128
+    # additions of ~2^-24 each on the terms' magnitude (2^-17), with margin (2^-16). A 2x scale
+    # moves outputs by ~magnitude / sqrt(K) >= 2^-7 of it.
+    "fp8_gemm": Tolerance(0.02, 1, 1e-3, max_rel_magnitude=2.0 ** -16),
+    # The FP8 wgmma tiles (M > 16) sum each 32-wide K chunk inside the tensor core before the fp32
+    # promotion (SPEC §4.3's documented deviation). On the H200 on SwiGLU-quant codes (session 38,
+    # tests/test_kernels_fp8_gemm.py test_down_on_swiglu_quant_codes): 4.6-4.9 % of outputs differ,
+    # by up to 7.2e-3 of the magnitude (random inputs: 2.6 %, 1.84e-3; in ulps unbounded where terms
+    # cancel). The magnitude bound alone would not catch a 2x scale at K = 7168 (~1.2e-2 of the
+    # magnitude for random signs); the fraction does (> 90 % of outputs move).
+    "fp8_gemm_wgmma": Tolerance(0.06, 0, math.inf, max_rel_magnitude=2.0 ** -6),
     "fp4_gemm": Tolerance(0.02, 1, 1e-3),
     # a layer output passes through two GEMMs, a requantisation and the combine: a 1-ulp
     # flip in the first GEMM can move an FP8 code of the activation, which moves the

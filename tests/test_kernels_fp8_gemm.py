@@ -4,47 +4,35 @@ The interpreter runs tl.dot on fp8 operands exactly (fp16 products, fp32 numpy
 matmul) and the kernel's bf16 output rounding is done in software there, so on CPU the
 only freedom is the in-block fp32 sum order (SPEC §4.3): the bound below is <= 1% of
 bf16 outputs differing, by at most 1 bf16 ulp (or, for an output that cancels to far below its
-terms, by at most ORDER_REL_MAG of their magnitude). A wrong scale, a swapped block index or
+terms, by at most TOLERANCES["fp8_gemm"].max_rel_magnitude of their magnitude). A wrong scale, a swapped block index or
 a missing K tail changes most outputs by many ulps. Natively on the GPU the wgmma tiles
-(M > 16) have a bound of their own (GPU_WGMMA_* below, measured on the H200).
+(M > 16) have a bound of their own (TOLERANCES["fp8_gemm_wgmma"], measured on the H200).
 """
 
 import _triton_interp
 import pytest
 import torch
 
-from dsv4_moe import reference as ref
+from dsv4_moe import MoEConfig, reference as ref
 from dsv4_moe.kernels.act_quant import act_quant
 from dsv4_moe.kernels.fp8_block_gemm import (NUM_SMS_H200, SPLIT_K_MAX_WS_FRACTION, SPLIT_K_MIN_KB, choose_config,
                                              choose_split_k, fp8_block_gemm_nt)
 from dsv4_moe.kernels.scaled_mm_fp8 import scaled_mm_supported
 from dsv4_moe.kernels.deep_gemm_fp8 import deep_gemm_supported
+from dsv4_moe.testing import TOLERANCES
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 MAX_DIFF_FRACTION = 0.01
 MAX_ULP = 1
 # On the GPU the wgmma tiles (BLOCK_M > 16, i.e. M > 16 under choose_config) sum each 32-wide
 # K chunk inside the FP8 tensor core (tl.dot max_num_imprecise_acc = 32) before the fp32
-# promotion. Measured on the H200 (session 35, scripts/gpu_probe_native_bounds.py --parts fp8,
-# M = 17-4096): 2.1-2.6 % of bf16 outputs differ from the reference, by at most 1.84e-3 of the
-# magnitude of the terms summed (`_magnitude`: the same GEMM on |q| and |w|); in ulps that error
-# is unbounded where the terms cancel (up to 29676 ulp at M = 1024). So there the bound is on the
-# error against the magnitude.
-# Session 38 (H200, test_down_on_swiglu_quant_codes, cba9a56): on SwiGLU-quant codes - the down
-# GEMM's real input, clamp-saturated elements all one code - 4.6-4.9 % differ, by up to 7.2e-3 of
-# the magnitude (M = 1024 N = 7168 K = 384), over the random inputs' bound (3 %, 2^-8). The bound
-# is set from that distribution: 6 % and 2^-6. The magnitude bound alone would not catch a 2x
-# weight scale at K = 7168 (outputs move by ~|want| ~ mag / sqrt(K) = 1.2e-2 of mag for random
-# signs); the fraction does (> 90 % of outputs move: test_wrong_scale_is_caught).
-# The CUDA-core GEMV (M = 1) and the 16-row mma.sync tiles matched the reference bitwise at every
-# shape measured, so they keep the bound above on the GPU too.
-GPU_WGMMA_DIFF_FRACTION = 0.06
-GPU_WGMMA_REL_MAG = 2.0 ** -6
-# The in-block fp32 order freedom itself, worst case: 128 additions of ~2^-24 relative each, on
-# the magnitude of the terms (2^-17), with margin. It applies only to the outputs past MAX_ULP -
-# those that cancel to far below their terms (seen: -1.9e-3 out of terms summing to 976, 3 ulp,
-# test_down_on_swiglu_quant_codes on the CPU). A 2x scale is ~mag / sqrt(K) off: >= 2^-7.
-ORDER_REL_MAG = 2.0 ** -16
+# promotion: their bound is TOLERANCES["fp8_gemm_wgmma"] (a share of differing outputs and the
+# error against the magnitude of the terms summed, `_magnitude`; measured on the H200 in sessions
+# 35 and 38, see the table). The CUDA-core GEMV (M = 1) and the 16-row mma.sync tiles matched the
+# reference bitwise at every shape measured, so they keep the bound above on the GPU too; past
+# MAX_ULP (an output cancelling far below its terms) TOLERANCES["fp8_gemm"].max_rel_magnitude.
+WGMMA = TOLERANCES["fp8_gemm_wgmma"]
+ORDER_REL_MAG = TOLERANCES["fp8_gemm"].max_rel_magnitude
 
 
 def _wgmma_on_gpu(cfg: dict) -> bool:
@@ -65,7 +53,7 @@ def assert_near_reference(got, want, case, cfg, what):
     first = tuple((ulp > 0).nonzero()[0].tolist()) if frac else None
     if _wgmma_on_gpu(cfg):
         rel = ((got.float() - want.float()).abs() / _magnitude(*case).clamp_min(1e-30)).max().item()
-        assert frac <= GPU_WGMMA_DIFF_FRACTION and rel <= GPU_WGMMA_REL_MAG, (
+        assert frac <= WGMMA.max_mismatch_frac and rel <= WGMMA.max_rel_magnitude, (
             f"{what} (wgmma on the GPU): {frac:.4f} of outputs differ, max |d| / mag {rel:.3e}; first at {first}")
     else:
         # an output that cancels to a tiny value can differ by more than MAX_ULP of its own from a
@@ -118,7 +106,7 @@ def test_matches_reference(m, n, k):
 # same code in many columns. Session 37 measured the down on the layer's own h at 4.5 % differing
 # and 3.4e-3 of the magnitude (Pro-TP8 T = 4096, scripts/gpu_check_layer_stages.py), against the
 # random inputs' 2.6 % and 1.84e-3: these cases hold the GPU bound on that distribution too.
-SWIGLU_LIMIT = 10.0
+SWIGLU_LIMIT = MoEConfig.flash().swiglu_limit
 
 
 @pytest.mark.parametrize("m,n,k", [(33, 512, 384), (20, 256, 2048)]

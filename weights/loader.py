@@ -122,7 +122,7 @@ def _check_values(reader: CheckpointReader, tensors: dict[str, torch.Tensor], nu
             mask = ~torch.isfinite(t)
             if mask.any():
                 bad("non-finite values", mask)
-        elif name.endswith("gate.tid2eid"):
+        elif (parsed := parse_name(name)) is not None and parsed.logical == "router.tid2eid":
             mask = (t < 0) | (t >= num_experts)
             if mask.any():
                 bad(f"expert ids outside [0, {num_experts})", mask)

@@ -84,11 +84,12 @@ class CheckpointReader:
     @staticmethod
     def _read_index(path: str) -> dict[str, str]:
         def no_duplicates(pairs):
-            keys = [k for k, _ in pairs]
-            dup = next((k for k in keys if keys.count(k) > 1), None)
-            if dup is not None:   # json would keep the last silently
-                raise CheckpointError(f"{path}: key {dup!r} appears more than once")
-            return dict(pairs)
+            out: dict = {}
+            for k, v in pairs:
+                if k in out:   # json would keep the last silently
+                    raise CheckpointError(f"{path}: key {k!r} appears more than once")
+                out[k] = v
+            return out
 
         try:
             with open(path, "rb") as f:
