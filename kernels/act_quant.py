@@ -147,11 +147,15 @@ def act_quant(x: torch.Tensor, *, scale_fmt: str = "fp32",
     if m > 0 and x.stride(1) != 1:
         raise ValueError(f"{fn}: x.stride()={tuple(x.stride())}, expected unit column stride")
     g = -(-k // _BLOCK)
+    for name, t in (("out_q", out_q), ("out_s", out_s)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name}: expected a torch.Tensor or None, got {type(t).__name__}")
     if out_q is None:
         out_q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    elif out_q.dtype != torch.float8_e4m3fn or tuple(out_q.shape) != (m, k) or (m and out_q.stride(1) != 1):
-        raise ValueError(f"{fn}: out_q must be float8_e4m3fn {(m, k)} with unit column stride, got "
-                         f"{out_q.dtype} {tuple(out_q.shape)} strides {tuple(out_q.stride())}")
+    elif (out_q.dtype != torch.float8_e4m3fn or tuple(out_q.shape) != (m, k) or (m and out_q.stride(1) != 1)
+          or (m > 1 and out_q.stride(0) < k)):   # rows that overlap (an expanded view) would share bytes
+        raise ValueError(f"{fn}: out_q must be float8_e4m3fn {(m, k)} with unit column stride and rows that do "
+                         f"not overlap, got {out_q.dtype} {tuple(out_q.shape)} strides {tuple(out_q.stride())}")
     if out_s is None:
         out_s = alloc_scales(m, g, scale_fmt, x.device)
     else:

@@ -292,6 +292,10 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
     with config.fold_sa they must be the scaled pairs `bf16_pairs(q, sa)` (act_quant /
     swiglu_quant pairs="scaled"), and `a_pairs_scaled=True` says they are.
     """
+    for name, t, optional in (("q", q, False), ("sa", sa, False), ("w4", w4, False), ("sw", sw, False),
+                              ("out", out, True), ("a_pairs", a_pairs, True)):
+        if not (isinstance(t, torch.Tensor) or (optional and t is None)):
+            raise TypeError(f"{name}: expected a torch.Tensor{' or None' if optional else ''}, got {type(t).__name__}")
     if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.dtype != torch.float8_e4m3fn:
         _fail("q", q, "[M, K] float8_e4m3fn")
     m_a, k = q.shape
@@ -307,6 +311,9 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
         _fail("sw", sw, f"[{e_local}, {n}, {k // 32}] float8_e8m0fnu/uint8")
     if not isinstance(align, MoeAlignment):
         raise ValueError(f"align: expected a MoeAlignment from moe_align, got {type(align).__name__}")
+    if align.expert_counts.shape[0] != e_local:   # the kernel would read weights past the last expert
+        raise ValueError(f"align: made for num_local={align.expert_counts.shape[0]} experts, but w4 holds "
+                         f"E_local={e_local}")
     expected_ma = align.num_tokens if gather_a else align.max_rows
     if m_a != expected_ma and align.num_routes:
         raise ValueError(f"q: {m_a} rows, expected {expected_ma} "

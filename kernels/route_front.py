@@ -110,7 +110,7 @@ def route_front(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     dummy = logits
     _route_front_kernel[grid](
         x, weight, logits,
-        bias if bias is not None else dummy, tid2eid.contiguous() if hashed else dummy,
+        bias.contiguous() if bias is not None else dummy, tid2eid.contiguous() if hashed else dummy,
         input_ids.contiguous() if hashed else dummy, out_w, out_ids,
         q.view(torch.uint8), sa, q_pairs if pairs else x,
         align.route_rows, align.expert_counts, align.expert_offsets, align.num_valid_blocks,

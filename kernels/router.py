@@ -5,7 +5,10 @@ unbiased weights renormalised and scaled, ids sorted ascending per token.
     weight       [E, H]        bfloat16 (or float32, pre-converted once by the caller)
     bias         [E]           float32            non-hash layers, else None
     tid2eid      [vocab, k]    int64 / int32      hash layers, else None
-    input_ids    [T]           int64 / int32      hash layers, else None
+    input_ids    [T]           int64 / int32      hash layers, else None; PRECONDITION: every id in
+                                                  [0, vocab) - read on the device, not checked here
+                                                  (a check would sync the host; DeepseekV4MoE checks
+                                                  it in eager forwards)
     ->
     topk_weights [T, k]        float32   w / sum(w) * routed_scaling_factor
     topk_ids     [T, k]        int32     ascending per token (weights permuted with them)
@@ -119,6 +122,19 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def _check_logits_args(fn: str, x, weight) -> None:
+    """x [T, H] bf16 and weight [E, H] bf16 / float32 on x's device, for the three logits paths
+    (the Triton ones read H from x: a narrower weight would be read past its rows)."""
+    _check(isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype == torch.bfloat16,
+           f"{fn}: x: expected a [T, H] bfloat16 tensor, got {getattr(x, 'dtype', type(x).__name__)} "
+           f"shape {tuple(getattr(x, 'shape', ()))}")
+    _check(isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == x.shape[1]
+           and weight.dtype in (torch.bfloat16, torch.float32),
+           f"{fn}: weight: expected [E, H={x.shape[1]}] bfloat16/float32, got "
+           f"{getattr(weight, 'dtype', type(weight).__name__)} shape {tuple(getattr(weight, 'shape', ()))}")
+    _check(weight.device == x.device, f"{fn}: weight is on {weight.device}, x on {x.device}")
+
+
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """[T, H] bf16 @ [E, H]^T -> [T, E] float32 with fp32 accumulation.
 
@@ -126,6 +142,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out_dtype=float32)` on CUDA (no fp32 copy of the gate weight per call), falling
     back to `x.float() @ weight.float().T` where that overload is missing.
     """
+    _check_logits_args("router_logits", x, weight)
     if weight.dtype == torch.float32:
         return x.float() @ weight.t()
     if x.is_cuda:
@@ -187,6 +204,7 @@ def router_logits_gemv(x: torch.Tensor, weight: torch.Tensor,
 
     from ._router import _router_logits_kernel
     from ._triton_utils import interpreting, pdl_options
+    _check_logits_args("router_logits_gemv", x, weight)
     t, h = x.shape
     e = weight.shape[0]
     out = torch.empty((t, e), dtype=torch.float32, device=x.device)
@@ -225,6 +243,7 @@ def router_logits_mma(x: torch.Tensor, weight: torch.Tensor,
     from ._router import _router_logits_mma_kernel
     from ._triton_utils import interpreting, pdl_options
     from .split_k import tile_counters
+    _check_logits_args("router_logits_mma", x, weight)
     t, h = x.shape
     e = weight.shape[0]
     _check(weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16,
@@ -265,12 +284,20 @@ def check_route_args(x, weight, bias, tid2eid, input_ids, top_k, routed_scaling_
            f"x: expected a [T, H] bfloat16 tensor, got {getattr(x, 'dtype', type(x))} "
            f"shape {tuple(getattr(x, 'shape', ()))}")
     t, h = x.shape
-    _check(weight.dim() == 2 and weight.shape[1] == h and weight.dtype in (torch.bfloat16, torch.float32),
-           f"weight: expected [E, {h}] bfloat16/float32, got {weight.dtype} shape {tuple(weight.shape)}")
+    _check(isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == h
+           and weight.dtype in (torch.bfloat16, torch.float32),
+           f"weight: expected [E, {h}] bfloat16/float32, got {getattr(weight, 'dtype', type(weight).__name__)} "
+           f"shape {tuple(getattr(weight, 'shape', ()))}")
     e = weight.shape[0]
     _check(e <= _E_MAX, f"weight: E={e} experts exceeds the kernel's limit {_E_MAX}")
-    _check(isinstance(top_k, int) and 1 <= top_k <= e, f"top_k={top_k!r}: expected an int in [1, E={e}]")
-    _check(float(routed_scaling_factor) > 0, f"routed_scaling_factor={routed_scaling_factor!r}: expected > 0")
+    _check(isinstance(top_k, int) and not isinstance(top_k, bool) and 1 <= top_k <= e,
+           f"top_k={top_k!r}: expected an int in [1, E={e}]")
+    _check(isinstance(routed_scaling_factor, (int, float)) and not isinstance(routed_scaling_factor, bool)
+           and 0 < routed_scaling_factor < float("inf"),
+           f"routed_scaling_factor={routed_scaling_factor!r}: expected a finite number > 0")
+    for name, ten in (("bias", bias), ("tid2eid", tid2eid), ("input_ids", input_ids)):
+        _check(ten is None or isinstance(ten, torch.Tensor),
+               f"{name}: expected a torch.Tensor or None, got {type(ten).__name__}")
     hashed = tid2eid is not None
     if hashed:
         _check(bias is None, "bias: hash layers have no selection bias; expected None with tid2eid")
@@ -352,7 +379,7 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     from ._triton_utils import pdl_options
     dummy = scores
     _route_topk_kernel[(t,)](
-        scores, bias if bias is not None else dummy,
+        scores, bias.contiguous() if bias is not None else dummy,   # the kernel indexes bias[col]
         tid2eid.contiguous() if hashed else dummy,
         input_ids.contiguous() if hashed else dummy,
         out_w, out_ids,

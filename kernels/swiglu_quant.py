@@ -92,7 +92,15 @@ def _check_rows(fn, rows, m, device, scale_fmt):
                          f"are written by the row-range strategies only)")
 
 
+def _check_limit(fn, limit):
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < float("inf"):
+        raise ValueError(f"{fn}: limit={limit!r}: expected a finite number > 0 (swiglu_limit, 10.0 in V4)")
+
+
 def _check_inputs(fn, gate_up, route_weight, expert_ids, expert_map):
+    for name, t in (("route_weight", route_weight), ("expert_ids", expert_ids), ("expert_map", expert_map)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name}: expected a torch.Tensor or None, got {type(t).__name__}")
     if not isinstance(gate_up, torch.Tensor) or gate_up.dim() != 2:
         raise ValueError(f"{fn}: gate_up must be a 2-D tensor [M, 2I], got "
                          f"{tuple(gate_up.shape) if isinstance(gate_up, torch.Tensor) else type(gate_up).__name__}")
@@ -165,6 +173,8 @@ def swiglu_quant(gate_up: torch.Tensor, *, limit: float = 10.0,
         route_weight  [M]      float32 or None, multiplied into h before the bf16 rounding
         expert_ids    [M]      int32 or None; rows with -1 are skipped
         expert_map    [E]      int32 or None; rows with expert_map[expert_ids] == -1 skipped
+                               (PRECONDITION: expert_ids < E - read on the device, not checked:
+                               a check would sync the host)
         scale_fmt     str      "fp32" | "e8m0" | "fp32_cm" | "amax" (see act_quant)
         out_q, out_s           optional preallocated outputs (skipped rows keep their bytes)
         strategy      str      None (choose_strategy; "rows" when `rows` is given) | "group" |
@@ -182,6 +192,7 @@ def swiglu_quant(gate_up: torch.Tensor, *, limit: float = 10.0,
     fn = "swiglu_quant"
     code = scale_fmt_code(scale_fmt, fn)
     scaled = pairs_scaled(pairs, fn, scale_fmt)
+    _check_limit(fn, limit)
     m, i = _check_inputs(fn, gate_up, route_weight, expert_ids, expert_map)
     _check_rows(fn, rows, m, gate_up.device, scale_fmt)
     out_q, out_s = _outputs(fn, m, i, scale_fmt, gate_up.device, out_q, out_s)
@@ -237,6 +248,7 @@ def swiglu_quant_partials(partials: torch.Tensor, rows: torch.Tensor, num_rows: 
     fn = "swiglu_quant_partials"
     code = scale_fmt_code(scale_fmt, fn)
     scaled = pairs_scaled(pairs, fn, scale_fmt)
+    _check_limit(fn, limit)
     if not isinstance(partials, torch.Tensor) or partials.dim() != 3 or partials.dtype != torch.float32:
         raise ValueError(f"{fn}: partials must be a float32 [P, R, 2I] tensor, got "
                          f"{getattr(partials, 'dtype', type(partials))} "
@@ -246,10 +258,14 @@ def swiglu_quant_partials(partials: torch.Tensor, rows: torch.Tensor, num_rows: 
         raise ValueError(f"{fn}: partials.shape={tuple(partials.shape)}, expected P >= 1 and an even 2I > 0")
     if not partials.is_contiguous():
         raise ValueError(f"{fn}: partials must be contiguous, strides {tuple(partials.stride())}")
-    if not isinstance(num_rows, int) or num_rows < 0:
+    if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 0:
         raise ValueError(f"{fn}: num_rows={num_rows!r}, expected an int >= 0")
     m, i, dev = num_rows, two_i // 2, partials.device
+    if rows is None:
+        raise ValueError(f"{fn}: rows is required (the output row of each of the {r} routes)")
     _check_rows(fn, rows, m, dev, scale_fmt)
+    if route_weight is not None and not isinstance(route_weight, torch.Tensor):
+        raise TypeError(f"{fn}: route_weight: expected a torch.Tensor or None, got {type(route_weight).__name__}")
     if rows.shape[0] != r:
         raise ValueError(f"{fn}: rows has {rows.shape[0]} entries, partials {r} routes")
     if route_weight is not None and (route_weight.dtype != torch.float32 or tuple(route_weight.shape) != (m,)
@@ -282,6 +298,7 @@ def swiglu_quant_unfused(gate_up: torch.Tensor, *, limit: float = 10.0,
     fn = "swiglu_quant_unfused"
     scale_fmt_code(scale_fmt, fn)
     pairs_scaled(pairs, fn, scale_fmt)
+    _check_limit(fn, limit)
     m, i = _check_inputs(fn, gate_up, route_weight, expert_ids, expert_map)
     _check_rows(fn, rows, m, gate_up.device, scale_fmt)
     out_q, out_s = _outputs(fn, m, i, scale_fmt, gate_up.device, out_q, out_s)
