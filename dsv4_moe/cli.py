@@ -35,8 +35,9 @@ def _layers_arg(s: Optional[str], num_layers: int) -> list[int]:
         raise SystemExit(f"--layer={s!r}: expected an int, a comma-separated list, or 'all'")
     if not layers:
         raise SystemExit(f"--layer={s!r}: names no layer; expected an int, a comma-separated list, or 'all'")
-    if len(set(layers)) != len(layers):
-        raise SystemExit(f"--layer={s!r}: a layer is named twice")
+    dup = next((li for i, li in enumerate(layers) if li in layers[:i]), None)
+    if dup is not None:
+        raise SystemExit(f"--layer={s!r}: layer {dup} is named twice; expected distinct layers")
     for li in layers:
         if not 0 <= li < num_layers:
             raise SystemExit(f"--layer={li}: the checkpoint has layers 0..{num_layers - 1}")
@@ -44,14 +45,14 @@ def _layers_arg(s: Optional[str], num_layers: int) -> list[int]:
 
 
 def _device(name: str) -> torch.device:
-    from dsv4_moe.weights.loader import _check_device
+    from dsv4_moe.weights import check_device
 
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        return _check_device(name)
+        return check_device(name, name="--device")
     except ValueError as e:
-        raise SystemExit(f"--{e}")
+        raise SystemExit(str(e))
 
 
 def _inputs(config, tokens: int, device, seed: int):

@@ -18,9 +18,10 @@ __all__ = ["MoEConfig", "FP8_BLOCK", "MXFP4_GROUP", "ACT_BLOCK"]
 
 # Quantisation granularities fixed by the checkpoint format (SPEC §3, §4.2).
 FP8_BLOCK = 128  # FP8 weight blocks are FP8_BLOCK x FP8_BLOCK (V4, V4-Pro)
-_REQUIRED = object()  # MoEConfig.from_dict: a key with no default
 MXFP4_GROUP = 32  # one e8m0 scale per 32 e2m1 values along K
 ACT_BLOCK = 128  # act_quant: one UE8M0 scale per 128 columns of a row
+
+_REQUIRED = object()  # MoEConfig.from_dict: a key with no default
 
 _SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
 _SUPPORTED_SCORING = ("sqrtsoftplus",)
@@ -197,7 +198,7 @@ class MoEConfig:
             expert_dtype=expert_dtype,
             fp8_block_size=tuple(block),
             model_type=mt,
-            name=str(d.get("_dsv4_moe_name", "custom")),
+            name=typed("_dsv4_moe_name", (str,), "a string (this package's preset name)", "custom"),
         )
 
     @classmethod

@@ -551,8 +551,9 @@ class DeepseekV4MoE(_NativeBuffers):
         why = fhmoe_supported(self.context(num_tokens))[1]
         if self.device.type == "cuda" and torch.version.hip is None:
             # NOTE: SPEC §5.3's CUDA twin is not built (docs/DESIGN.md, "The fused heterogeneous MoE")
+            # the side stream: dispatch.shared_overlap_policy, its measurements in its NOTEs
             return ("this package has no CUDA kernel for it (the shared expert runs as its own launches, on a side "
-                    f"stream where that measured faster); AITER's: {why}")
+                    f"stream where dispatch.shared_overlap_policy measured that faster); AITER's: {why}")
         return why
 
     def _gemm_plan(self, num_tokens: int) -> str:

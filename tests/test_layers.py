@@ -553,8 +553,9 @@ def test_load_arguments_named(kw, match):
 
     with pytest.raises(ValueError, match=match):
         load_moe_layer(DEFAULT_CHECKPOINT_DIR, 1, **kw)
-    if "device" not in kw:
-        return
+
+
+def test_group_must_be_a_process_group():
     with pytest.raises(TypeError, match="group='notagroup'"):
         DeepseekV4MoE(CFG, random_layer_weights(CFG, layer_idx=1), group="notagroup")
 
@@ -565,20 +566,22 @@ def test_cli_arguments_named(tmp_path, capsys):
     from dsv4_moe.weights.cli import make_checkpoint_main
 
     for argv, msg in ((["run", "--layer", ","], "--layer=',': names no layer"),
-                      (["run", "--layer", "1,1"], "--layer='1,1': a layer is named twice"),
+                      (["run", "--layer", "1,1"], "--layer='1,1': layer 1 is named twice"),
                       (["run", "--device", "meta"], "--device='meta': expected a cpu or cuda device"),
                       (["explain", "--device", "foo"], "--device='foo': not a device torch knows")):
         with pytest.raises(SystemExit, match=re.escape(msg)):
             main(argv)
-    for argv in (["run", "--tokens", "0"], ["run", "--checkpoint", str(tmp_path / "nope")],
-                 ["run", "--seed", str(2 ** 64)], ["bench", "--reps", "-1"], ["bench", "--budget-s", "nan"]):
+    for argv, flag in ((["run", "--tokens", "0"], "--tokens=0"), (["run", "--checkpoint", str(tmp_path / "nope")],
+                       "--checkpoint="), (["run", "--seed", str(2 ** 64)], "--seed="),
+                       (["bench", "--reps", "-1"], "--reps=-1"), (["bench", "--budget-s", "nan"], "--budget-s=nan")):
+        capsys.readouterr()
         with pytest.raises(SystemExit) as ei:
             main(argv)
-        assert ei.value.code == 2, argv     # argparse's usage error
+        assert ei.value.code == 2 and flag in capsys.readouterr().err, argv     # argparse's usage error
     out = tmp_path / "ck"
     assert make_checkpoint_main(["--out", str(out), "--layers", "0", "--no-progress"]) == 0
     capsys.readouterr()
     assert make_checkpoint_main(["--out", str(out), "--layers", "0", "--no-progress"]) == 2
-    assert "pass --overwrite to replace" in capsys.readouterr().err
+    assert "make-checkpoint --overwrite" in capsys.readouterr().err
     assert make_checkpoint_main(["--out", "/dev/null/x", "--layers", "0", "--no-progress"]) == 2
     assert "--out='/dev/null/x'" in capsys.readouterr().err

@@ -4,7 +4,7 @@ from .names import TensorSpec, layer_tensor_names, parse_name  # noqa: F401
 from .reader import CheckpointError, CheckpointReader, TensorRequest  # noqa: F401
 from .quantize import quantize_fp8_block, quantize_mxfp4  # noqa: F401
 from .writer import write_checkpoint  # noqa: F401
-from .loader import load_layer_weights  # noqa: F401
+from .loader import check_device, load_layer_weights  # noqa: F401
 from .cli import make_checkpoint_main  # noqa: F401
 
 __all__ = [
@@ -12,5 +12,5 @@ __all__ = [
     "TensorSpec", "layer_tensor_names", "parse_name",
     "CheckpointError", "CheckpointReader", "TensorRequest",
     "quantize_fp8_block", "quantize_mxfp4",
-    "write_checkpoint", "load_layer_weights", "make_checkpoint_main",
+    "write_checkpoint", "load_layer_weights", "check_device", "make_checkpoint_main",
 ]

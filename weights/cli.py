@@ -49,12 +49,9 @@ def make_checkpoint_main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         path = write_checkpoint(args.out, config, layers=layers, seed=args.seed, num_shards=args.num_shards,
                                 overwrite=args.overwrite, progress=False if args.no_progress else None)
-    except FileExistsError as e:
-        print(f"make-checkpoint: {str(e).replace('pass overwrite=True', 'pass --overwrite')}", file=sys.stderr)
-        return 2
-    except (ValueError, OSError) as e:
-        print(f"make-checkpoint: --out={args.out!r}: {e}" if isinstance(e, OSError) else f"make-checkpoint: {e}",
-              file=sys.stderr)
+    except (ValueError, OSError) as e:   # FileExistsError (an OSError) names --overwrite itself
+        where = f"--out={args.out!r}: " if isinstance(e, OSError) and not isinstance(e, FileExistsError) else ""
+        print(f"make-checkpoint: {where}{e}", file=sys.stderr)
         return 2
     print(path)
     return 0

@@ -28,7 +28,7 @@ from .reader import CheckpointError, CheckpointReader, TensorRequest
 from .slicing import ep_experts, tp_index
 from .tensors import MoELayerWeights
 
-__all__ = ["load_layer_weights"]
+__all__ = ["load_layer_weights", "check_device"]
 
 # Loads of more experts than this show a progress bar by default (when stderr is a tty):
 # a V4-Flash layer (256 experts, ~3.4 GB) takes seconds to tens of seconds from disk.
@@ -77,25 +77,25 @@ def _show_progress(progress: Optional[bool], num_experts: int) -> bool:
     return sys.stderr.isatty() and num_experts > _PROGRESS_MIN_EXPERTS
 
 
-def _check_device(device) -> torch.device:
-    """torch.device(device), or a ValueError naming it: a string torch cannot parse, a type
-    other than cpu / cuda, or a CUDA device this process does not have."""
+def check_device(device, *, name: str = "device") -> torch.device:
+    """torch.device(device), or a ValueError naming it (as `name`, e.g. a CLI flag): a string
+    torch cannot parse, a type other than cpu / cuda, or a CUDA device this process lacks."""
     if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
-        raise ValueError(f"device={device!r}: expected 'cpu', 'cuda', 'cuda:N' or a torch.device")
+        raise ValueError(f"{name}={device!r}: expected 'cpu', 'cuda', 'cuda:N' or a torch.device")
     try:
         dev = torch.device(device)
     except RuntimeError as e:
-        raise ValueError(f"device={device!r}: not a device torch knows ({e})") from e
+        raise ValueError(f"{name}={device!r}: not a device torch knows ({e})") from e
     if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r}: expected a cpu or cuda device, got type {dev.type!r}")
+        raise ValueError(f"{name}={device!r}: expected a cpu or cuda device, got type {dev.type!r}")
     if dev.type == "cpu" and dev.index not in (None, 0):
-        raise ValueError(f"device={device!r}: the CPU has no index {dev.index}")
+        raise ValueError(f"{name}={device!r}: the CPU has no index {dev.index}")
     if dev.type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0:
-            raise ValueError(f"device={device!r}: no CUDA device in this process (torch {torch.__version__})")
+            raise ValueError(f"{name}={device!r}: no CUDA device in this process (torch {torch.__version__})")
         if dev.index is not None and dev.index >= n:
-            raise ValueError(f"device={device!r}: this process has {n} CUDA device(s)")
+            raise ValueError(f"{name}={device!r}: this process has {n} CUDA device(s)")
     return dev
 
 
@@ -144,7 +144,7 @@ def load_layer_weights(checkpoint_dir: str | os.PathLike, layer_idx: int, *, dev
     loads more than 32 experts. Raises CheckpointError (a ValueError) naming the
     tensor and shard for anything missing or inconsistent; nothing is returned then.
     """
-    device = _check_device(device)
+    device = check_device(device)
     if progress is not None and not isinstance(progress, bool):
         raise ValueError(f"progress={progress!r}: expected True, False or None (a bar when stderr is a terminal)")
     config = MoEConfig.from_pretrained(checkpoint_dir)

@@ -182,7 +182,7 @@ def write_checkpoint(checkpoint_dir: str | os.PathLike, config: MoEConfig, *, la
     os.makedirs(out_dir, exist_ok=True)
     existing = _existing_outputs(out_dir)
     if existing and not overwrite:
-        raise FileExistsError(f"checkpoint_dir={out_dir!r} already holds {existing}; pass overwrite=True to replace")
+        raise FileExistsError(f"checkpoint_dir={out_dir!r} already holds {existing}; overwrite=True (make-checkpoint --overwrite) replaces them")
     for f in existing:
         os.remove(os.path.join(out_dir, f))
 
