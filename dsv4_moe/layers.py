@@ -23,60 +23,12 @@ import torch
 from torch import nn
 
 from . import dispatch, stages
+from ._checks import capturing, check_hidden, check_num_tokens, check_router, check_types
 from .config import MoEConfig
 from .dispatch import DispatchContext
 from .weights.tensors import MoELayerWeights, RoutedExpertWeights, RouterWeights, SharedExpertWeights
 
 __all__ = ["DeepseekV4MLP", "DeepseekV4MoE", "load_moe_layer", "choose_routed_layout"]
-
-
-def _check_hidden(name: str, x: torch.Tensor, hidden: int, device: torch.device) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 2 or x.shape[1] != hidden:
-        raise ValueError(f"{name}.shape={tuple(x.shape)}: expected [num_tokens, {hidden}]")
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"{name}.dtype={x.dtype}: expected torch.bfloat16")
-    if x.device != device:
-        raise ValueError(f"{name} is on {x.device} but the layer's weights are on {device}")
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _check_num_tokens(num_tokens) -> None:
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-        raise ValueError(f"num_tokens={num_tokens!r}: expected an int >= 0")
-
-
-def _check_types(config, weights, weights_cls) -> None:
-    if not isinstance(config, MoEConfig):
-        raise TypeError(f"config: expected a MoEConfig, got {type(config).__name__}")
-    if not isinstance(weights, weights_cls):
-        raise TypeError(f"weights: expected {weights_cls.__name__}, got {type(weights).__name__}")
-
-
-def _check_router(config: MoEConfig, weights: MoELayerWeights) -> None:
-    """The router's tensors against the config and the layer index (one pass at construction)."""
-    c, r, li = config, weights.router, weights.layer_idx
-    if isinstance(li, bool) or not isinstance(li, int) or not 0 <= li < c.num_hidden_layers:
-        raise ValueError(f"weights.layer_idx={li!r}: expected an int in [0, num_hidden_layers={c.num_hidden_layers})")
-    if r.is_hash != c.is_hash_layer(li):
-        raise ValueError(f"layer {li}: the weights are {'hash-routed' if r.is_hash else 'top-k routed'}, but the "
-                         f"config's num_hash_layers={c.num_hash_layers} makes it "
-                         f"{'hash-routed' if c.is_hash_layer(li) else 'top-k routed'}")
-    if r.is_hash:
-        t = r.tid2eid
-        if t.dtype not in (torch.int64, torch.int32) or tuple(t.shape) != (c.vocab_size, c.num_experts_per_tok):
-            raise ValueError(f"router tid2eid: {t.dtype} shape {tuple(t.shape)}, expected int64 (or int32) "
-                             f"[vocab_size={c.vocab_size}, num_experts_per_tok={c.num_experts_per_tok}]")
-        lo, hi = int(t.min()), int(t.max())
-        if lo < 0 or hi >= c.n_routed_experts:
-            raise ValueError(f"router tid2eid: ids in [{lo}, {hi}], expected [0, n_routed_experts={c.n_routed_experts})")
-    elif r.bias is not None and (r.bias.dtype != torch.float32 or tuple(r.bias.shape) != (c.n_routed_experts,)):
-        raise ValueError(f"router bias: {r.bias.dtype} shape {tuple(r.bias.shape)}, expected float32 "
-                         f"[{c.n_routed_experts}]")
 
 
 class _NativeBuffers(nn.Module):
@@ -106,7 +58,7 @@ class DeepseekV4MLP(_NativeBuffers):
 
     def __init__(self, config: MoEConfig, weights: SharedExpertWeights, *, tp_size: int = 1):
         super().__init__()
-        _check_types(config, weights, SharedExpertWeights)
+        check_types(config, weights, SharedExpertWeights)
         config.check_parallel(tp_size=tp_size)
         if weights.hidden != config.hidden_size:
             raise ValueError(f"shared expert hidden {weights.hidden} != config.hidden_size {config.hidden_size}")
@@ -133,7 +85,7 @@ class DeepseekV4MLP(_NativeBuffers):
                                num_local_experts=0, top_k=c.num_experts_per_tok, tp_size=self.tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _check_hidden("x", x, self.config.hidden_size, self.device)
+        check_hidden("x", x, self.config.hidden_size, self.device)
         if x.shape[0] == 0:
             return torch.empty_like(x)
         ctx = self.context(x.shape[0])
@@ -153,7 +105,7 @@ class DeepseekV4MLP(_NativeBuffers):
         return [self.w_gate_up, self.w_gate_up_scale, self.w_down, self.w_down_scale]
 
     def explain(self, num_tokens: int) -> str:
-        _check_num_tokens(num_tokens)
+        check_num_tokens(num_tokens)
         return dispatch.explain(self.context(num_tokens), ["act_quant", "fp8_gemm", "swiglu_quant"])
 
 
@@ -229,7 +181,7 @@ class DeepseekV4MoE(_NativeBuffers):
         self._side_streams: dict = {}
         self._prefetch_streams: dict = {}
         self._contexts: dict = {}  # (T, device) -> DispatchContext (immutable per layer)
-        _check_types(config, weights, MoELayerWeights)
+        check_types(config, weights, MoELayerWeights)
         if group is not None and not (torch.distributed.is_available()
                                       and isinstance(group, torch.distributed.ProcessGroup)):
             raise TypeError(f"group={group!r}: expected None (the default group) or a torch.distributed.ProcessGroup")
@@ -244,7 +196,7 @@ class DeepseekV4MoE(_NativeBuffers):
         if tuple(weights.router.weight.shape) != (config.n_routed_experts, config.hidden_size):
             raise ValueError(f"router weight shape {tuple(weights.router.weight.shape)} != "
                              f"{(config.n_routed_experts, config.hidden_size)}")
-        _check_router(config, weights)
+        check_router(config, weights)
         self.config = config
         self.layer_idx = weights.layer_idx
         self.is_hash = weights.router.is_hash
@@ -315,7 +267,7 @@ class DeepseekV4MoE(_NativeBuffers):
     # ------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor, input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = hidden_states
-        _check_hidden("hidden_states", x, self.config.hidden_size, self.device)
+        check_hidden("hidden_states", x, self.config.hidden_size, self.device)
         if self.is_hash and input_ids is None:
             raise ValueError(f"layer {self.layer_idx} is a hash-routed layer: input_ids [T] int64 is required")
         if input_ids is not None:   # checked on every layer (engines pass them to all), used on hash layers
@@ -328,7 +280,7 @@ class DeepseekV4MoE(_NativeBuffers):
                 raise ValueError(f"input_ids.dtype={input_ids.dtype}: expected torch.int64 (or int32)")
             if input_ids.device != x.device:
                 raise ValueError(f"input_ids is on {input_ids.device}, hidden_states on {x.device}")
-            if self.is_hash and x.shape[0] and not _capturing(x.device):
+            if self.is_hash and x.shape[0] and not capturing(x.device):
                 # NOTE: one host sync per hash layer (3 per model) in eager forwards; skipped inside a
                 # CUDA-graph capture (replays read the ids where they stand: an engine's own ids)
                 lo, hi = torch.aminmax(input_ids)
@@ -517,7 +469,7 @@ class DeepseekV4MoE(_NativeBuffers):
         return f"shared expert weights {where} ({why})"
 
     def explain(self, num_tokens: int) -> str:
-        _check_num_tokens(num_tokens)
+        check_num_tokens(num_tokens)
         c = self.config
         head = (f"DeepseekV4MoE layer {self.layer_idx} ({'hash' if self.is_hash else 'top-k'} routing), "
                 f"hidden {c.hidden_size}, intermediate {c.local_intermediate(self.tp_size)} per rank, "
