@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["route_topk", "router_logits", "router_logits_gemv", "router_logits_mma", "gemv_blocks", "gemv_prewait",
-           "mma_blocks", "logits_path",
+           "mma_blocks", "logits_path", "logits_fn",
            "GEMV_MAX_T", "GEMV_PREWAIT", "MMA_MAX_T", "check_route_args"]
 
 _E_MAX = 4096  # one register vector per token; DeepSeek-V4 has E <= 384
@@ -278,6 +278,13 @@ def logits_path(t: int, weight_dtype: torch.dtype, logits_impl: str = "auto", cu
     return "mm"
 
 
+def logits_fn(path: str):
+    """The logits function of a `logits_path` result ("gemv", "mma" or "mm")."""
+    fns = {"gemv": router_logits_gemv, "mma": router_logits_mma, "mm": router_logits}
+    _check(path in fns, f"path={path!r}: expected one of {tuple(fns)}")
+    return fns[path]
+
+
 def check_route_args(x, weight, bias, tid2eid, input_ids, top_k, routed_scaling_factor):
     """Validate route_topk's (and route_front's) router arguments; -> (T, H, E, hashed)."""
     _check(isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype == torch.bfloat16,
@@ -362,12 +369,7 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     _check(quant is None or path != "mm",
            f"act_quant={act_quant!r}: x is quantised inside the Triton logits launch, but logits_impl="
            f"{logits_impl!r} takes cuBLAS / torch here (T={t}, weight {weight.dtype}, {x.device}); see logits_path")
-    if path == "gemv":
-        logits = router_logits_gemv(x, weight, quant=quant)
-    elif path == "mma":
-        logits = router_logits_mma(x, weight, quant=quant)
-    else:
-        logits = router_logits(x, weight)
+    logits = logits_fn(path)(x, weight) if path == "mm" else logits_fn(path)(x, weight, quant=quant)
     if after_logits is not None:
         _check(quant is not None, "after_logits: needs act_quant (it is handed the quantised x)")
         after_logits(*extra)

@@ -101,11 +101,9 @@ def layer_logits_path(layer, t: int) -> str:
 
 def dispatch_logits(layer, x: torch.Tensor) -> torch.Tensor:
     """The GPU router's fp32 logits for the whole batch, by the path route_topk takes at this T."""
-    from dsv4_moe.kernels.router import router_logits, router_logits_gemv, router_logits_mma
+    from dsv4_moe.kernels.router import logits_fn
 
-    path = layer_logits_path(layer, x.shape[0])
-    fn = {"gemv": router_logits_gemv, "mma": router_logits_mma, "mm": router_logits}[path]
-    return fn(x, layer.router.weight)
+    return logits_fn(layer_logits_path(layer, x.shape[0]))(x, layer.router.weight)
 
 
 def check(cfg: MoEConfig, weights, t: int, rows: list[dict], name: str, dev: torch.device) -> None:
