@@ -177,6 +177,13 @@ def fp8_block_gemm_nt(q: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, sw: to
     if n == 0:
         raise ValueError(f"{fn}: w.shape={tuple(w.shape)} has N=0")
     kb = -(-k // _BLOCK)
+    for name, t, optional in (("sa", sa, False), ("sw", sw, False), ("out", out, True)):
+        if not (isinstance(t, torch.Tensor) or (optional and t is None)):
+            raise TypeError(f"{fn}: {name}: expected a torch.Tensor{' or None' if optional else ''}, got "
+                            f"{type(t).__name__}")
+    if config is not None and not (isinstance(config, dict) and {"BLOCK_M", "BLOCK_N"} <= set(config)):
+        raise ValueError(f"{fn}: config={config!r}: expected None or a dict with at least BLOCK_M and BLOCK_N "
+                         f"(as choose_config returns)")
     if sa.dtype != torch.float32 or sa.dim() != 2 or sa.shape[0] < m or sa.shape[1] != kb:
         raise ValueError(f"{fn}: sa must be float32 [>={m}, {kb}], got {sa.dtype} {tuple(sa.shape)}")
     if sw.dtype not in (torch.float8_e8m0fnu, torch.uint8, torch.float32):

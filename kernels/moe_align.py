@@ -131,11 +131,11 @@ def align_sizes(num_routes: int, num_local: int, block_m: int) -> tuple[int, int
 def check_align_args(num_local, first_expert, block_m) -> None:
     """ValueError naming the argument unless num_local >= 1, first_expert >= 0 and block_m is
     a power of two (moe_align's and route_front's alignment parameters)."""
-    if not isinstance(num_local, int) or num_local < 1:
+    if isinstance(num_local, bool) or not isinstance(num_local, int) or num_local < 1:
         raise ValueError(f"num_local={num_local!r}: expected an int >= 1")
-    if not isinstance(first_expert, int) or first_expert < 0:
+    if isinstance(first_expert, bool) or not isinstance(first_expert, int) or first_expert < 0:
         raise ValueError(f"first_expert={first_expert!r}: expected an int >= 0")
-    if not isinstance(block_m, int) or block_m < 1 or block_m & (block_m - 1):
+    if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m={block_m!r}: expected a power of two >= 1")
 
 
@@ -177,6 +177,8 @@ def moe_align(topk_ids: torch.Tensor, num_local: int, first_expert: int, block_m
     check_align_args(num_local, first_expert, block_m)
     t, k = topk_ids.shape
     r = t * k
+    if topk_weights is not None and not isinstance(topk_weights, torch.Tensor):
+        raise TypeError(f"topk_weights: expected a torch.Tensor or None, got {type(topk_weights).__name__}")
     if topk_weights is not None and (topk_weights.dtype != torch.float32 or topk_weights.shape != (t, k)
                                      or topk_weights.device != topk_ids.device):
         raise ValueError(f"topk_weights: expected [{t}, {k}] float32 on {topk_ids.device}, got "

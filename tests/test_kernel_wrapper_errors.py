@@ -96,3 +96,26 @@ def test_act_quant_outputs_checked():
         act_quant(x, out_q=shared_rows)
     with pytest.raises(TypeError, match="out_q: expected a torch.Tensor or None, got int"):
         act_quant(x, out_q=5)
+
+
+def test_remaining_wrappers_name_non_tensor_and_bool_arguments():
+    from dsv4_moe.kernels.finalize import finalize_shared_add
+    from dsv4_moe.kernels.fp8_block_gemm import fp8_block_gemm_nt
+
+    q, sa = act_quant(torch.randn(3, 256).bfloat16().to(DEV))
+    w = torch.randn(128, 256).to(torch.float8_e4m3fn).to(DEV)
+    sw = torch.full((1, 2), 127, dtype=torch.uint8, device=DEV)
+    with pytest.raises(TypeError, match="sa: expected a torch.Tensor, got float"):
+        fp8_block_gemm_nt(q, 1.0, w, sw)
+    with pytest.raises(TypeError, match="out: expected a torch.Tensor or None, got int"):
+        fp8_block_gemm_nt(q, sa, w, sw, out=3)
+    with pytest.raises(ValueError, match=r"config=\{\}: expected None or a dict with at least BLOCK_M"):
+        fp8_block_gemm_nt(q, sa, w, sw, config={})
+    ids = torch.tensor([[0, 1]], dtype=torch.int32, device=DEV)
+    with pytest.raises(TypeError, match="topk_weights: expected a torch.Tensor or None, got list"):
+        moe_align(ids, 4, 0, 16, [[0.5, 0.5]])
+    with pytest.raises(ValueError, match="block_m=True"):
+        moe_align(ids, 4, 0, True)
+    y = torch.zeros(1, 2, 256, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="first_expert=True"):
+        finalize_shared_add(y, ids, True, 4, torch.zeros(1, 256, dtype=torch.bfloat16, device=DEV))
