@@ -641,10 +641,18 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
         raise ValueError(f"topk_weights: expected [{t}, {k}] float32, got "
                          f"{getattr(topk_weights, 'dtype', type(topk_weights))} "
                          f"shape {tuple(getattr(topk_weights, 'shape', ()))}")
-    if not (float(limit) > 0):
-        raise ValueError(f"limit={limit!r}: expected > 0")
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < float("inf"):
+        raise ValueError(f"limit={limit!r}: expected a finite number > 0")
+    if not isinstance(sa, torch.Tensor):
+        raise TypeError(f"sa: expected a torch.Tensor (act_quant's scales), got {type(sa).__name__}")
+    if configs is not None and not (isinstance(configs, tuple) and len(configs) == 2
+                                    and all(isinstance(c, GemmConfig) for c in configs)):
+        raise ValueError(f"configs={configs!r}: expected None or (gate_up GemmConfig, down GemmConfig)")
     y = torch.empty((t * k, h), dtype=torch.bfloat16, device=q.device)
     cfg_up, cfg_down = configs or routed_configs(t * k, routed)
+    if q_pairs is not None and not (isinstance(q_pairs, torch.Tensor) and cfg_up.a_bf16):
+        raise ValueError(f"q_pairs: given ({type(q_pairs).__name__}), but the gate_up config {cfg_up!r} does not take "
+                         f"bf16 activation pairs (a_bf16=False): pass None")
     down_parts = split_parts(cfg_down, i)
     if not down_reduce and down_parts == 1:
         raise ValueError(f"down_reduce=False: the down config {cfg_down!r} does not split K={i}, so there are no "

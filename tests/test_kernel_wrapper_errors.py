@@ -3,6 +3,8 @@ argument is a ValueError / TypeError naming it, before any launch could read out
 or return a wrong result (run under the interpreter on the CPU, natively on a GPU)."""
 import _triton_interp  # noqa: F401  (TRITON_INTERPRET=1 where there is no GPU; must precede triton)
 
+import dataclasses  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -119,3 +121,24 @@ def test_remaining_wrappers_name_non_tensor_and_bool_arguments():
     y = torch.zeros(1, 2, 256, dtype=torch.bfloat16, device=DEV)
     with pytest.raises(ValueError, match="first_expert=True"):
         finalize_shared_add(y, ids, True, 4, torch.zeros(1, 256, dtype=torch.bfloat16, device=DEV))
+
+
+def test_routed_experts_forward_arguments():
+    from dsv4_moe import MoEConfig
+    from dsv4_moe.kernels.routed_experts import routed_configs, routed_experts_forward
+    from dsv4_moe.testing import random_layer_weights
+
+    r = random_layer_weights(MoEConfig.tiny(), layer_idx=1, seed=0).routed.to(DEV)
+    q, sa = act_quant(torch.randn(2, r.hidden).bfloat16().to(DEV))
+    tw = torch.full((2, 6), 0.25, device=DEV)
+    ids = torch.arange(12, dtype=torch.int32, device=DEV).view(2, 6)
+    with pytest.raises(TypeError, match="sa: expected a torch.Tensor"):
+        routed_experts_forward(q, None, tw, ids, r, 10.0)
+    with pytest.raises(ValueError, match=r"configs=\(1, 2\): expected None or \(gate_up GemmConfig"):
+        routed_experts_forward(q, sa, tw, ids, r, 10.0, configs=(1, 2))
+    with pytest.raises(ValueError, match="limit='10': expected a finite number > 0"):
+        routed_experts_forward(q, sa, tw, ids, r, "10")
+    up, down = routed_configs(12, r)
+    plain = (dataclasses.replace(up, a_bf16=False, fold_sa=False), down)   # a gate_up without bf16 pairs
+    with pytest.raises(ValueError, match="q_pairs: given"):
+        routed_experts_forward(q, sa, tw, ids, r, 10.0, configs=plain, q_pairs=torch.zeros(1))
