@@ -283,8 +283,7 @@ class DeepseekV4MoE(_NativeBuffers):
             if self.is_hash and x.shape[0] and not capturing(x.device):
                 # NOTE: one host sync per hash layer (3 per model) in eager forwards; skipped inside a
                 # CUDA-graph capture (replays read the ids where they stand: an engine's own ids)
-                lo, hi = torch.aminmax(input_ids)
-                lo, hi = int(lo), int(hi)
+                lo, hi = int(input_ids.min()), int(input_ids.max())
                 if lo < 0 or hi >= self.config.vocab_size:
                     raise ValueError(f"input_ids: ids in [{lo}, {hi}], expected [0, vocab_size="
                                      f"{self.config.vocab_size}) (the hash table's rows)")
