@@ -144,6 +144,11 @@ SHARED_FORK = "auto"
 # front; after the front on the others). Same bits with or without it. A/B switch (session 33;
 # dispatch.shared_prefetch_policy has the measurements).
 SHARED_L2_PREFETCH = "auto"
+# Timing probe, off by default: True skips the shared expert (no launches, no side stream, no
+# prefetch; finalize adds zeros), so the layer's output is NOT the model's (the bench needs
+# --check-rows 0). Layer time with it off minus with it on is what the shared expert costs inside the
+# layer: the most SPEC §5.3's fused heterogeneous MoE could save on CUDA (docs/DESIGN.md, session 39).
+PROBE_SKIP_SHARED = False
 
 
 class DeepseekV4MoE(_NativeBuffers):
@@ -316,7 +321,7 @@ class DeepseekV4MoE(_NativeBuffers):
                 forked.append(self.shared_experts.forward_quantised(q_, sa_, ctx))
 
         point = self._shared_fork(t) if side is not None else None
-        pf_point = self._shared_prefetch_point(t) if x.device.type == "cuda" else "off"
+        pf_point = self._shared_prefetch_point(t) if x.device.type == "cuda" and not PROBE_SKIP_SHARED else "off"
         pf = self._prefetch_stream(x.device) if pf_point != "off" else None
 
         def prefetch():
@@ -343,7 +348,9 @@ class DeepseekV4MoE(_NativeBuffers):
             prefetch()  # no logits hook on this front: right after it
         if point == "align" and align is None and routed.name == "triton":
             align = stages.routed_align(topk_w, topk_ids, self.routed)
-        if side is None:
+        if PROBE_SKIP_SHARED:
+            shared = self._probe_zeros(x)
+        elif side is None:
             shared = self.shared_experts.forward_quantised(q, sa, ctx)
         elif not forked:  # fork: the shared expert on the side stream once q, sa exist
             fork(q, sa)
@@ -381,13 +388,6 @@ class DeepseekV4MoE(_NativeBuffers):
         self.routed_layout, self.routed_layout_reason = layout, why
         return self
 
-    def _layout_hint(self) -> str:
-        """A pointer at set_routed_layout when the layer moved to CUDA after construction."""
-        r = self.routed
-        if r.layout == "nk" and r.gate_up.device.type == "cuda" and choose_routed_layout(r)[0] != "nk":
-            return " (now on CUDA: layer.set_routed_layout() takes the faster layout)"
-        return ""
-
     def shared_overlap(self, num_tokens: int) -> tuple[bool, str]:
         """(overlapped, reason) for the shared expert of a forward over num_tokens tokens."""
         if self.device.type != "cuda":
@@ -400,18 +400,6 @@ class DeepseekV4MoE(_NativeBuffers):
             return True, "on a side stream, overlapped with the routed experts (overlap_shared=True)"
         return False, "in line (overlap_shared=False)"
 
-    def _shared_line(self, num_tokens: int) -> str:
-        ov, why = self.shared_overlap(num_tokens)
-        if not ov:
-            return why
-        point = self._shared_fork(num_tokens)
-        how = (dispatch.shared_fork_policy(num_tokens, self.config.local_intermediate(self.tp_size))[1]
-               if SHARED_FORK == "auto" else f"layers.SHARED_FORK = {SHARED_FORK!r}")
-        split = dispatch.shared_split_policy(num_tokens, self.config.local_intermediate(self.tp_size))[1]
-        where = {"logits": "after the router's logits launch (on the quant_in_logits front; else after the front)",
-                 "align": "after the routed alignment", "front": "right after the front"}[point]
-        return f"{why}; forked {where} ({how}); {split}"
-
     def _shared_fork(self, num_tokens: int) -> str:
         """Where the shared expert forks at num_tokens tokens: "logits", "front" or "align"."""
         if SHARED_FORK == "auto":
@@ -423,13 +411,24 @@ class DeepseekV4MoE(_NativeBuffers):
 
     def _side_stream(self, device: torch.device, num_tokens: int):
         """The side stream of `device` for the shared expert (None: run it in line)."""
-        if device.type != "cuda" or not self.shared_overlap(num_tokens)[0]:
+        if device.type != "cuda" or PROBE_SKIP_SHARED or not self.shared_overlap(num_tokens)[0]:
             return None
         idx = device.index if device.index is not None else torch.cuda.current_device()
         key = (idx, SIDE_STREAM_PRIORITY)
         if key not in self._side_streams:
             self._side_streams[key] = torch.cuda.Stream(device=device, priority=SIDE_STREAM_PRIORITY)
         return self._side_streams[key]
+
+    def _probe_zeros(self, x: torch.Tensor) -> torch.Tensor:
+        """PROBE_SKIP_SHARED's stand-in shared output: zeros like x, made once per shape and device
+        outside a capture (a capture that meets a new shape records its memset)."""
+        key = (tuple(x.shape), x.device, x.dtype)
+        z = self.__dict__.setdefault("_probe_zero_cache", {}).get(key)
+        if z is None:
+            z = torch.zeros_like(x)
+            if not capturing(x.device):
+                self.__dict__["_probe_zero_cache"][key] = z
+        return z
 
     def _shared_prefetch_point(self, num_tokens: int) -> str:
         """Where the shared expert's weights are prefetched into the L2 at num_tokens tokens:
@@ -452,41 +451,12 @@ class DeepseekV4MoE(_NativeBuffers):
             self._prefetch_streams[idx] = torch.cuda.Stream(device=device)
         return self._prefetch_streams[idx]
 
-    def _prefetch_line(self, num_tokens: int) -> str:
-        point = self._shared_prefetch_point(num_tokens)
-        if self.device.type != "cuda":
-            point, why = "off", f"device {self.device.type}"
-        elif SHARED_L2_PREFETCH != "auto":
-            why = f"layers.SHARED_L2_PREFETCH = {SHARED_L2_PREFETCH!r}"
-        else:
-            side = self.shared_overlap(num_tokens)[0]
-            why = dispatch.shared_prefetch_policy(num_tokens, self.config.local_intermediate(self.tp_size),
-                                                  self._shared_fork(num_tokens) if side else None)[1]
-        where = {"off": "not prefetched into the L2",
-                 "start": "prefetched into the L2 before the router's logits launch (own stream)",
-                 "logits": "prefetched into the L2 after the router's logits launch (own stream)"}[point]
-        return f"shared expert weights {where} ({why})"
-
     def explain(self, num_tokens: int) -> str:
-        check_num_tokens(num_tokens)
-        c = self.config
-        head = (f"DeepseekV4MoE layer {self.layer_idx} ({'hash' if self.is_hash else 'top-k'} routing), "
-                f"hidden {c.hidden_size}, intermediate {c.local_intermediate(self.tp_size)} per rank, "
-                f"experts {self.first_expert}..{self.first_expert + self.num_local_experts - 1} of "
-                f"{c.n_routed_experts}, top-{c.num_experts_per_tok}\n"
-                f"routed weights in layout {self.routed_layout!r}: {self.routed_layout_reason}"
-                f"{self._layout_hint()}\n"
-                f"shared expert: {self._shared_line(num_tokens)}\n"
-                f"{self._prefetch_line(num_tokens)}\n"
-                f"shared expert as expert {c.n_routed_experts} in the routed launch (SPEC §5.3): not taken: "
-                f"{self._heterogeneous_reason(num_tokens)}")
-        if self.device.type == "cuda" and dispatch.has_pdl(self.device)[0]:
-            mode, why = (dispatch.pdl_policy(num_tokens, self.shared_overlap(num_tokens)[0],
-                                             c.local_intermediate(self.tp_size))
-                         if dispatch.PDL_MODE == "auto"
-                         else (dispatch.PDL_MODE, "dispatch.PDL_MODE"))
-            head += f"\nprogrammatic dependent launch: {mode} ({why})"
-        return head + "\n" + dispatch.explain(self.context(num_tokens)) + self._gemm_plan(num_tokens)
+        """The plan of a forward over num_tokens tokens: each stage's path and why (dispatch), the
+        routed layout, the shared expert's stream and L2 prefetch, SPEC §5.3, the routed GEMM bodies."""
+        from . import _explain
+
+        return _explain.explain(self, num_tokens)
 
     def _finalize_sums_down(self, num_tokens: int, routed: str, finalize: str) -> bool:
         """Whether the fused finalize sums the routed down GEMM's split-K partials itself (no
@@ -494,73 +464,6 @@ class DeepseekV4MoE(_NativeBuffers):
         partial crosses ranks first), and a down that splits K at this T."""
         return (routed == "triton" and finalize == "fused" and self.tp_size == 1 and self.ep_size == 1
                 and stages.routed_down_to_finalize(num_tokens * self.config.num_experts_per_tok, self.routed))
-
-    def _heterogeneous_reason(self, num_tokens: int) -> str:
-        """Why the fused heterogeneous MoE (kernels/aiter_fhmoe.py) does not run this layer."""
-        from .kernels.aiter_fhmoe import fhmoe_supported
-
-        why = fhmoe_supported(self.context(num_tokens))[1]
-        if self.device.type == "cuda" and torch.version.hip is None:
-            # NOTE: SPEC §5.3's CUDA twin is not built (docs/DESIGN.md, "The fused heterogeneous MoE")
-            # the side stream: dispatch.shared_overlap_policy, its measurements in its NOTEs
-            return ("this package has no CUDA kernel for it (the shared expert runs as its own launches, on a side "
-                    f"stream where dispatch.shared_overlap_policy measured that faster); AITER's: {why}")
-        return why
-
-    def _gemm_plan(self, num_tokens: int) -> str:
-        """The routed MXFP4 GEMM bodies for this T (kernels.routed_experts.routed_configs),
-        when the routed stage takes the Triton path; empty otherwise."""
-        if num_tokens < 1 or dispatch.select("routed_experts", self.context(num_tokens)).name != "triton":
-            return ""
-        from .kernels import routed_experts as rx
-
-        routed_configs = rx.routed_configs
-        routes = num_tokens * self.config.num_experts_per_tok
-        parts = []
-        cfgs = routed_configs(routes, self.routed)
-        for gemm, cfg in zip(("gate_up", "down"), cfgs):
-            extra = "".join([f", K split {cfg.split_k} ways" if cfg.split_k > 1 else "",
-                             (", bf16 activation pairs (written by act_quant)" if gemm == "gate_up" else
-                              ", bf16 activation pairs (written by swiglu_quant)") if cfg.a_bf16 else "",
-                             ", activation scale folded into the operand (one MMA chain over K" +
-                             ((", odd-k half converted after the even-k MMA)" if cfg.fold_order == "split" else
-                               ", each block's MMAs waited on)") if cfg.kind == "swap" else ")")
-                             if cfg.fold_sa else
-                             ", per-128-block scaling (DSV4_MOE_FOLD_SWAP=0)"
-                             if cfg.kind == "swap" and rx.FOLD_ACT_SCALE and not rx.FOLD_SWAP and
-                             self.routed.layout in ("mma64", "mma64e") else "",
-                             f", {cfg.maxnreg}-register cap" if cfg.maxnreg else "",
-                             f", K loop unrolled {cfg.unroll}x" if cfg.unroll > 1 and cfg.kind == "swap" else
-                             f", {cfg.unroll} K blocks per step" if cfg.unroll > 1 else "",
-                             ", weight blocks fastest in the grid" if cfg.n_fastest else "",
-                             ", each 128-block one MMA chain (one wgmma wait)" if cfg.one_chain else ""])
-            parts.append(f"{gemm} {cfg.kind} {cfg.block_m}x{cfg.block_n}, {cfg.num_warps} warps, "
-                         f"{cfg.num_stages} stages{extra}")
-        from .kernels.mxfp4_grouped_gemm import split_parts
-        parts_up = split_parts(cfgs[0], self.config.hidden_size)
-        fused = dispatch.select("swiglu_quant", self.context(num_tokens)).name != "unfused"
-        if parts_up > 1 and fused and rx.SWIGLU_SUMS_SPLIT:
-            between = (f"SwiGLU-quant over the {routes} routes, summing the split gate_up's {parts_up} fp32 "
-                       f"partials itself (no reduce launch, same bits)")
-        else:
-            between = (f"SwiGLU-quant over the {routes} routes' rows (route list)"
-                       if routes >= rx.SWIGLU_ROUTE_LIST_MIN_ROUTES else
-                       f"SwiGLU-quant over the alignment's rows, padding skipped (< "
-                       f"{rx.SWIGLU_ROUTE_LIST_MIN_ROUTES} routes)")
-            if parts_up > 1:
-                between += f", after the split gate_up's reduce launch ({parts_up} fp32 partials)"
-        parts_down = split_parts(cfgs[1], self.config.local_intermediate(self.tp_size))
-        after = ""
-        if parts_down > 1:
-            fin = dispatch.select("finalize", self.context(num_tokens)).name
-            after = (f"\n  after the down: the fused finalize sums its {parts_down} fp32 split-K partials itself "
-                     f"(no reduce launch, same bits)" if self._finalize_sums_down(num_tokens, "triton", fin) else
-                     f"\n  after the down: a reduce launch sums its {parts_down} fp32 split-K partials ("
-                     + ("routed_experts.FINALIZE_SUMS_SPLIT is off" if not rx.FINALIZE_SUMS_SPLIT else
-                        f"finalize path {fin!r}" if fin != "fused" else
-                        "the fp32 partial crosses ranks before the finalize's rounding") + ")")
-        return (f"\n  routed GEMMs ({routes / self.num_local_experts:.3g} routes per local expert): "
-                + "; ".join(parts) + f"\n  between them: {between}" + after)
 
 
 def choose_routed_layout(r: RoutedExpertWeights, requested: str = "auto") -> tuple[str, str]:

@@ -303,7 +303,7 @@ def test_shared_overlap_policy_rule():
 def test_shared_fork_switch(monkeypatch):
     """layers.SHARED_FORK: "auto" follows shared_fork_policy, "logits" / "front" / "align" force a
     point, anything else is a ValueError naming the value; explain() says where the shared expert forks."""
-    from dsv4_moe import layers
+    from dsv4_moe import _explain, layers
 
     cfg = MoEConfig(hidden_size=256, moe_intermediate_size=2048, n_routed_experts=8, num_experts_per_tok=4,
                     num_hidden_layers=2, num_hash_layers=0, vocab_size=64)
@@ -316,15 +316,15 @@ def test_shared_fork_switch(monkeypatch):
     with pytest.raises(ValueError, match="SHARED_FORK=True: expected 'auto' or one of"):
         layer._shared_fork(1)
     monkeypatch.setattr(layers, "SHARED_FORK", "auto")
-    assert layer._shared_line(1) == "in line (device cpu)"
+    assert _explain.shared_line(layer, 1) == "in line (device cpu)"
     monkeypatch.setattr(layer, "shared_overlap", lambda t: (True, "on a side stream"))  # as on CUDA
-    assert "forked after the routed alignment (T = 1, I = 2048" in layer._shared_line(1)
-    assert "forked right after the front" in layer._shared_line(2)
-    assert layer._shared_line(3).endswith("decode GEMMs unsplit (N / 64 programs), leaving SMs to the routed front "
-                                          "(measured faster on the H200)")
-    assert layer._shared_line(16).endswith("decode GEMMs on their in-line split-K grids")
+    assert "forked after the routed alignment (T = 1, I = 2048" in _explain.shared_line(layer, 1)
+    assert "forked right after the front" in _explain.shared_line(layer, 2)
+    assert _explain.shared_line(layer, 3).endswith("decode GEMMs unsplit (N / 64 programs), leaving SMs to the "
+                                                   "routed front (measured faster on the H200)")
+    assert _explain.shared_line(layer, 16).endswith("decode GEMMs on their in-line split-K grids")
     monkeypatch.setattr(layers, "SHARED_FORK", "logits")
-    assert "forked after the router's logits launch" in layer._shared_line(2)
+    assert "forked after the router's logits launch" in _explain.shared_line(layer, 2)
     monkeypatch.setattr(layers, "SHARED_FORK", "gate_up")  # measured slower in session 32, removed
     with pytest.raises(ValueError, match="SHARED_FORK='gate_up': expected 'auto' or one of"):
         layer._shared_fork(1)
@@ -334,7 +334,30 @@ def test_shared_fork_switch(monkeypatch):
     monkeypatch.setattr(pro, "shared_overlap", lambda t: (True, "on a side stream"))
     assert [pro._shared_fork(t) for t in (1, 2, 3, 4, 8, 9)] == ["front", "logits", "front", "logits", "logits", "front"]
     assert "forked after the router's logits launch (on the quant_in_logits front; else after the front) " \
-           "(T = 2, I = 384: shared expert forked after the router's logits launch" in pro._shared_line(2)
+           "(T = 2, I = 384: shared expert forked after the router's logits launch" in _explain.shared_line(pro, 2)
+
+
+def test_probe_skip_shared_is_the_layer_without_its_shared_output(monkeypatch):
+    """layers.PROBE_SKIP_SHARED (a timing probe) runs the layer with a zero shared output: equal to
+    the layer whose shared down weights are zero (shared output exactly 0), unequal to the layer's own
+    output, and explain() says the probe is on."""
+    import dataclasses as dc
+
+    from dsv4_moe import layers
+
+    cfg = MoEConfig(hidden_size=256, moe_intermediate_size=256, n_routed_experts=8, num_experts_per_tok=2,
+                    num_hidden_layers=2, num_hash_layers=0, vocab_size=64)
+    w = random_layer_weights(cfg, layer_idx=1, seed=3)
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    full = DeepseekV4MoE(cfg, w)(x)
+    zero_down = dc.replace(w, shared=dc.replace(w.shared, down=torch.zeros_like(w.shared.down)))
+    no_shared = DeepseekV4MoE(cfg, zero_down)(x)
+    monkeypatch.setattr(layers, "PROBE_SKIP_SHARED", True)
+    layer = DeepseekV4MoE(cfg, w)
+    probed = layer(x)
+    assert torch.equal(probed, no_shared)
+    assert not torch.equal(probed, full)
+    assert "shared expert: skipped: layers.PROBE_SKIP_SHARED is on" in layer.explain(5)
 
 
 def test_shared_split_switch(monkeypatch):
