@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ._types import is_int
 from .config import MoEConfig
 from .weights.tensors import MoELayerWeights
 
@@ -27,7 +28,7 @@ def capturing(device: torch.device) -> bool:
 
 
 def check_num_tokens(num_tokens) -> None:
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+    if not is_int(num_tokens) or num_tokens < 0:
         raise ValueError(f"num_tokens={num_tokens!r}: expected an int >= 0")
 
 
@@ -41,7 +42,7 @@ def check_types(config, weights, weights_cls) -> None:
 def check_router(config: MoEConfig, weights: MoELayerWeights) -> None:
     """The router's tensors against the config and the layer index (one pass at construction)."""
     c, r, li = config, weights.router, weights.layer_idx
-    if isinstance(li, bool) or not isinstance(li, int) or not 0 <= li < c.num_hidden_layers:
+    if not is_int(li) or not 0 <= li < c.num_hidden_layers:
         raise ValueError(f"weights.layer_idx={li!r}: expected an int in [0, num_hidden_layers={c.num_hidden_layers})")
     if r.is_hash != c.is_hash_layer(li):
         raise ValueError(f"layer {li}: the weights are {'hash-routed' if r.is_hash else 'top-k routed'}, but the "

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._types import is_int, is_real
+
 __all__ = ["MoEConfig", "FP8_BLOCK", "MXFP4_GROUP", "ACT_BLOCK"]
 
 # Quantisation granularities fixed by the checkpoint format (SPEC §3, §4.2).
@@ -57,7 +59,7 @@ class MoEConfig:
     def __post_init__(self) -> None:
         def _pos_int(key: str) -> None:
             v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            if not is_int(v) or v <= 0:
                 raise ValueError(f"MoEConfig.{key}={v!r}: expected a positive int")
 
         for key in ("hidden_size", "moe_intermediate_size", "n_routed_experts",
@@ -86,14 +88,14 @@ class MoEConfig:
             raise ValueError(
                 f"MoEConfig.num_experts_per_tok={self.num_experts_per_tok} exceeds "
                 f"n_routed_experts={self.n_routed_experts}")
-        if not (isinstance(self.num_hash_layers, int) and not isinstance(self.num_hash_layers, bool)
+        if not (is_int(self.num_hash_layers)
                 and 0 <= self.num_hash_layers <= self.num_hidden_layers):
             raise ValueError(
                 f"MoEConfig.num_hash_layers={self.num_hash_layers!r}: expected an int in "
                 f"[0, num_hidden_layers={self.num_hidden_layers}]")
         blk = self.fp8_block_size
         if (not isinstance(blk, (tuple, list)) or len(blk) != 2
-                or any(isinstance(b, bool) or not isinstance(b, int) for b in blk)):
+                or any(not is_int(b) for b in blk)):
             raise ValueError(f"MoEConfig.fp8_block_size={blk!r}: expected two ints, ({FP8_BLOCK}, {FP8_BLOCK})")
         if tuple(self.fp8_block_size) != (FP8_BLOCK, FP8_BLOCK):
             raise ValueError(
@@ -102,7 +104,7 @@ class MoEConfig:
         object.__setattr__(self, "fp8_block_size", tuple(self.fp8_block_size))
         for key in ("routed_scaling_factor", "swiglu_limit"):
             v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
+            if not is_real(v) or not (0 < v < math.inf):
                 raise ValueError(f"MoEConfig.{key}={v!r}: expected a finite number > 0")
         for key, div in (("hidden_size", 2 * MXFP4_GROUP), ("moe_intermediate_size", MXFP4_GROUP)):
             v = getattr(self, key)
@@ -172,7 +174,7 @@ class MoEConfig:
             raise ValueError(f"{source}: quantization_config={qc!r}: expected a JSON object")
         block = qc.get("weight_block_size", [FP8_BLOCK, FP8_BLOCK])
         if (not isinstance(block, (list, tuple)) or len(block) != 2
-                or any(isinstance(b, bool) or not isinstance(b, int) for b in block)):
+                or any(not is_int(b) for b in block)):
             raise ValueError(f"{source}: quantization_config.weight_block_size={block!r}: expected a list of two ints")
         expert_dtype = d.get("expert_dtype", qc.get("expert_dtype", "fp4"))
         if not isinstance(expert_dtype, str):
@@ -258,7 +260,7 @@ class MoEConfig:
 
     # ------------------------------------------------------------------ facts
     def is_hash_layer(self, layer_idx: int) -> bool:
-        if (isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0
+        if (not is_int(layer_idx) or layer_idx < 0
                 or layer_idx >= self.num_hidden_layers):
             raise ValueError(
                 f"layer_idx={layer_idx!r}: expected an int in [0, num_hidden_layers={self.num_hidden_layers})")
@@ -267,9 +269,9 @@ class MoEConfig:
     def check_parallel(self, *, tp_rank: int = 0, tp_size: int = 1, ep_rank: int = 0, ep_size: int = 1) -> None:
         """Raise ValueError if this config cannot be split this way (SPEC §6)."""
         for key, rank, size in (("tp", tp_rank, tp_size), ("ep", ep_rank, ep_size)):
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            if not is_int(size) or size < 1:
                 raise ValueError(f"{key}_size={size!r}: expected an int >= 1")
-            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+            if not is_int(rank) or not 0 <= rank < size:
                 raise ValueError(f"{key}_rank={rank!r}: expected an int in [0, {key}_size={size})")
         if tp_size > 1 and ep_size > 1:
             raise ValueError(f"tp_size={tp_size} with ep_size={ep_size}: combine one of them, not both")

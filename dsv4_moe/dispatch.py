@@ -24,6 +24,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ._types import is_int
+
 __all__ = [
     "DispatchContext", "Path", "STAGES", "select", "plan", "explain", "force_paths", "clear_plan_cache",
     "has_cuda", "has_fp8_mma", "has_pdl", "has_triton", "is_gfx950",
@@ -151,7 +153,7 @@ def shared_split_policy(num_tokens: int, intermediate: int) -> tuple[Optional[in
     # 113.4, T=4 128.9 / 132.4 / 132.0; Pro-TP8 (rule / none / ~2 per SM) T=2 45.9 / 50.1 / 45.8,
     # T=3 59.0 / 60.7 / 59.4.
     v = SHARED_SPLIT_K_PROGRAMS_PER_SM
-    if isinstance(v, bool) or not isinstance(v, int) or v < -1:
+    if not is_int(v) or v < -1:
         raise ValueError(f"dispatch.SHARED_SPLIT_K_PROGRAMS_PER_SM={v!r}: expected -1 (the rule) or an int >= 0")
     if SHARED_SPLIT_K_PROGRAMS_PER_SM >= 0:
         return SHARED_SPLIT_K_PROGRAMS_PER_SM, (f"split-K target {SHARED_SPLIT_K_PROGRAMS_PER_SM} programs per SM "

@@ -27,6 +27,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from ._types import is_int
 from .layers import DeepseekV4MoE
 
 __all__ = ["GraphedMoE"]
@@ -44,7 +45,7 @@ class GraphedMoE:
             if not isinstance(v, bool):
                 raise ValueError(f"{key}={v!r}: expected True or False")
         counts = tuple(token_counts) if not isinstance(token_counts, int) else (token_counts,)
-        bad = [t for t in counts if isinstance(t, bool) or not isinstance(t, int) or t < 1]
+        bad = [t for t in counts if not is_int(t) or t < 1]
         if not counts or bad:
             raise ValueError(f"token_counts={counts!r}: expected one or more ints >= 1"
                              + (f" (bad: {bad})" if bad else ""))

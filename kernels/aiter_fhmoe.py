@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4_moe._types import is_int
+
 __all__ = ["FHMOE_SHARED_PARAMS", "FHMOE_SHAPE", "NEUTRAL_E8M0", "W2_SCALE_COL_ALIGN", "fhmoe_capability",
            "fhmoe_shape_ok", "expand_block_scales", "FHMoESharedExpert", "prepare_shared_expert",
            "append_shared_route", "fhmoe_supported"]
@@ -43,7 +45,7 @@ W2_SCALE_COL_ALIGN = 8    # AITER reads the down projection's scale columns in g
 def fhmoe_capability(num_tokens) -> tuple[bool, str]:
     """(ok, reason): whether the installed AITER says its heterogeneous fused MoE covers a
     call with `num_tokens` MoE input rows. Fails closed on anything unexpected."""
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+    if not is_int(num_tokens) or num_tokens < 1:
         return False, f"num_tokens={num_tokens!r}: expected an int >= 1"
     try:
         from aiter import fhmoe  # noqa: PLC0415
@@ -139,7 +141,7 @@ def append_shared_route(topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     if topk_ids.dtype not in (torch.int32, torch.int64) or not topk_weights.is_floating_point():
         raise ValueError(f"topk_ids / topk_weights: expected int32/int64 ids and float weights, got "
                          f"{topk_ids.dtype} / {topk_weights.dtype}")
-    if isinstance(shared_expert_id, bool) or not isinstance(shared_expert_id, int) or shared_expert_id < 0:
+    if not is_int(shared_expert_id) or shared_expert_id < 0:
         raise ValueError(f"shared_expert_id={shared_expert_id!r}: expected an int >= 0 (the routed expert count)")
     t = topk_ids.shape[0]
     ids = torch.cat([topk_ids, topk_ids.new_full((t, 1), shared_expert_id)], dim=1)

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import torch
 
+from dsv4_moe._types import is_int
+
 __all__ = ["finalize_shared_add", "finalize_split_shared_add", "finalize_partial", "add_shared_round",
            "finalize_unfused"]
 
@@ -72,9 +74,9 @@ def _check_ids(topk_ids, t, k, device, first_expert, num_local) -> None:
                          f"{getattr(topk_ids, 'dtype', type(topk_ids))} shape {tuple(getattr(topk_ids, 'shape', ()))}")
     if topk_ids.device != device:
         raise ValueError(f"topk_ids: on {topk_ids.device}, expected y's device {device}")
-    if isinstance(first_expert, bool) or not isinstance(first_expert, int) or first_expert < 0:
+    if not is_int(first_expert) or first_expert < 0:
         raise ValueError(f"first_expert={first_expert!r}: expected an int >= 0")
-    if isinstance(num_local, bool) or not isinstance(num_local, int) or num_local < 1:
+    if not is_int(num_local) or num_local < 1:
         raise ValueError(f"num_local={num_local!r}: expected an int >= 1")
 
 

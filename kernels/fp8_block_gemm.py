@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from dsv4_moe._types import is_int
+
 __all__ = ["fp8_block_gemm_nt", "choose_config", "choose_split_k", "NUM_SMS_H200",
            "SPLIT_K_MAX_WS_FRACTION", "SPLIT_K_MIN_KB", "FAST_PREFILL_IMPRECISE",
            "OVERLAPPED_GEMV_SPLIT"]
@@ -104,9 +106,7 @@ def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H200, fast_accu
     split_k_programs_per_sm: the split-K target at M = 2-16 (None: ~4 programs per SM; 0: no
     split, N / 64 programs).
     """
-    if split_k_programs_per_sm is not None and (isinstance(split_k_programs_per_sm, bool)
-                                                or not isinstance(split_k_programs_per_sm, int)
-                                                or split_k_programs_per_sm < 0):
+    if split_k_programs_per_sm is not None and (not is_int(split_k_programs_per_sm) or split_k_programs_per_sm < 0):
         raise ValueError(f"split_k_programs_per_sm={split_k_programs_per_sm!r}: expected None or an int >= 0")
     imp = FAST_PREFILL_IMPRECISE if fast_accum else 32
     if m == 1:
@@ -198,7 +198,7 @@ def fp8_block_gemm_nt(q: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, sw: to
     elif out.dtype != torch.bfloat16 or tuple(out.shape) != (m, n) or (out.numel() and out.stride(1) != 1):
         raise ValueError(f"{fn}: out must be bfloat16 {(m, n)} with unit column stride, got "
                          f"{out.dtype} {tuple(out.shape)} strides {tuple(out.stride())}")
-    if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1):
+    if split_k is not None and (not is_int(split_k) or split_k < 1):
         raise ValueError(f"{fn}: split_k={split_k!r}, expected None or an int >= 1")
     if m == 0:
         return out
@@ -207,7 +207,7 @@ def fp8_block_gemm_nt(q: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, sw: to
     if split_k is not None:
         cfg["SPLIT_K"] = split_k
     sk = cfg.get("SPLIT_K", 1)
-    if isinstance(sk, bool) or not isinstance(sk, int) or sk < 1:
+    if not is_int(sk) or sk < 1:
         raise ValueError(f"{fn}: config SPLIT_K={sk!r}, expected an int >= 1")
     if not 0 < cfg.get("IMPRECISE", 32) <= _BLOCK:
         raise ValueError(f"{fn}: config IMPRECISE={cfg['IMPRECISE']}, expected 1..128 (tl.dot max_num_imprecise_acc)")

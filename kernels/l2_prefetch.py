@@ -27,6 +27,8 @@ from typing import Sequence
 
 import torch
 
+from dsv4_moe._types import is_int
+
 __all__ = ["l2_prefetch", "MODES"]
 
 MODES = ("line", "bulk")
@@ -43,7 +45,7 @@ def _opts(mode, evict_last, programs) -> tuple[int, bool, int, int]:
         raise ValueError(f"mode={mode!r}: expected one of {MODES}")
     evict_last = EVICT_LAST if evict_last is None else evict_last
     programs = PROGRAMS if programs is None else programs
-    if not isinstance(programs, int) or isinstance(programs, bool) or programs < 1:
+    if not is_int(programs) or programs < 1:
         raise ValueError(f"programs={programs!r}: expected an int >= 1")
     return MODES.index(mode), bool(evict_last), (128 if mode == "line" else BULK_CHUNK), programs
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4_moe._types import is_int
+
 __all__ = ["MoeAlignment", "moe_align", "align_sizes", "check_align_args", "new_alignment"]
 
 _BLOCK = 64    # routes per chunk: the rank compare is BLOCK x BLOCK registers
@@ -131,11 +133,11 @@ def align_sizes(num_routes: int, num_local: int, block_m: int) -> tuple[int, int
 def check_align_args(num_local, first_expert, block_m) -> None:
     """ValueError naming the argument unless num_local >= 1, first_expert >= 0 and block_m is
     a power of two (moe_align's and route_front's alignment parameters)."""
-    if isinstance(num_local, bool) or not isinstance(num_local, int) or num_local < 1:
+    if not is_int(num_local) or num_local < 1:
         raise ValueError(f"num_local={num_local!r}: expected an int >= 1")
-    if isinstance(first_expert, bool) or not isinstance(first_expert, int) or first_expert < 0:
+    if not is_int(first_expert) or first_expert < 0:
         raise ValueError(f"first_expert={first_expert!r}: expected an int >= 0")
-    if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 1 or block_m & (block_m - 1):
+    if not is_int(block_m) or block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m={block_m!r}: expected a power of two >= 1")
 
 

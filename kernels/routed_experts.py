@@ -37,6 +37,7 @@ import os
 
 import torch
 
+from dsv4_moe._types import is_real
 from dsv4_moe.weights.mma_layout import TILED_LAYOUTS
 from dsv4_moe.weights.tensors import RoutedExpertWeights
 
@@ -641,7 +642,7 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
         raise ValueError(f"topk_weights: expected [{t}, {k}] float32, got "
                          f"{getattr(topk_weights, 'dtype', type(topk_weights))} "
                          f"shape {tuple(getattr(topk_weights, 'shape', ()))}")
-    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < float("inf"):
+    if not is_real(limit) or not 0 < limit < float("inf"):
         raise ValueError(f"limit={limit!r}: expected a finite number > 0")
     if not isinstance(sa, torch.Tensor):
         raise TypeError(f"sa: expected a torch.Tensor (act_quant's scales), got {type(sa).__name__}")

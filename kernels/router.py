@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import torch
 
+from dsv4_moe._types import is_int, is_real
+
 __all__ = ["route_topk", "router_logits", "router_logits_gemv", "router_logits_mma", "gemv_blocks", "gemv_prewait",
            "mma_blocks", "logits_path", "logits_fn",
            "GEMV_MAX_T", "GEMV_PREWAIT", "MMA_MAX_T", "check_route_args"]
@@ -297,9 +299,9 @@ def check_route_args(x, weight, bias, tid2eid, input_ids, top_k, routed_scaling_
            f"shape {tuple(getattr(weight, 'shape', ()))}")
     e = weight.shape[0]
     _check(e <= _E_MAX, f"weight: E={e} experts exceeds the kernel's limit {_E_MAX}")
-    _check(isinstance(top_k, int) and not isinstance(top_k, bool) and 1 <= top_k <= e,
+    _check(is_int(top_k) and 1 <= top_k <= e,
            f"top_k={top_k!r}: expected an int in [1, E={e}]")
-    _check(isinstance(routed_scaling_factor, (int, float)) and not isinstance(routed_scaling_factor, bool)
+    _check(is_real(routed_scaling_factor)
            and 0 < routed_scaling_factor < float("inf"),
            f"routed_scaling_factor={routed_scaling_factor!r}: expected a finite number > 0")
     for name, ten in (("bias", bias), ("tid2eid", tid2eid), ("input_ids", input_ids)):

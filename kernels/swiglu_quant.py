@@ -36,6 +36,8 @@ import torch.nn.functional as F
 
 from .act_quant import act_quant, alloc_scales, check_pairs_out, check_scales_out, pairs_scaled, scale_fmt_code
 
+from dsv4_moe._types import is_int, is_real
+
 __all__ = ["swiglu_quant", "swiglu_quant_partials", "swiglu_quant_unfused", "choose_strategy",
            "PERSISTENT_MIN_ELEMENTS", "PERSISTENT_I_MULTIPLE"]
 
@@ -93,7 +95,7 @@ def _check_rows(fn, rows, m, device, scale_fmt):
 
 
 def _check_limit(fn, limit):
-    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < float("inf"):
+    if not is_real(limit) or not 0 < limit < float("inf"):
         raise ValueError(f"{fn}: limit={limit!r}: expected a finite number > 0 (swiglu_limit, 10.0 in V4)")
 
 
@@ -258,7 +260,7 @@ def swiglu_quant_partials(partials: torch.Tensor, rows: torch.Tensor, num_rows: 
         raise ValueError(f"{fn}: partials.shape={tuple(partials.shape)}, expected P >= 1 and an even 2I > 0")
     if not partials.is_contiguous():
         raise ValueError(f"{fn}: partials must be contiguous, strides {tuple(partials.stride())}")
-    if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 0:
+    if not is_int(num_rows) or num_rows < 0:
         raise ValueError(f"{fn}: num_rows={num_rows!r}, expected an int >= 0")
     m, i, dev = num_rows, two_i // 2, partials.device
     if rows is None:

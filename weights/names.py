@@ -33,6 +33,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from dsv4_moe._types import is_int
 from dsv4_moe.config import FP8_BLOCK, MXFP4_GROUP, MoEConfig
 
 __all__ = [
@@ -96,7 +97,7 @@ def _ceil_div(a: int, b: int) -> int:
 
 def layer_prefix(layer_idx: int) -> str:
     """The common prefix of every FFN tensor of decoder layer `layer_idx`."""
-    if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
+    if not is_int(layer_idx) or layer_idx < 0:
         raise ValueError(f"layer_idx={layer_idx!r}: expected a non-negative int")
     return f"layers.{layer_idx}.ffn."
 
@@ -131,7 +132,7 @@ def shared_expert_tensor_names(config: MoEConfig, layer_idx: int) -> list[Tensor
 def expert_tensor_names(config: MoEConfig, layer_idx: int, expert: int) -> list[TensorSpec]:
     """Routed expert `expert`: packed-e2m1 weights (I8) and per-32 e8m0 scales, in the
     order w1.weight, w1.scale, w3.weight, w3.scale, w2.weight, w2.scale."""
-    if isinstance(expert, bool) or not isinstance(expert, int) or not 0 <= expert < config.n_routed_experts:
+    if not is_int(expert) or not 0 <= expert < config.n_routed_experts:
         raise ValueError(f"expert={expert!r}: expected an int in [0, n_routed_experts={config.n_routed_experts})")
     p = f"{layer_prefix(layer_idx)}experts.{expert}."
     h, i, g = config.hidden_size, config.moe_intermediate_size, MXFP4_GROUP

@@ -37,6 +37,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 from safetensors.torch import save_file
 
+from dsv4_moe._types import is_int
 from dsv4_moe.config import MoEConfig
 
 from .names import TensorSpec, expert_tensor_names, router_tensor_names, shared_expert_tensor_names
@@ -127,7 +128,7 @@ def _groups(config: MoEConfig, layers: Sequence[int]) -> list[_Group]:
 def _split(groups: list[_Group], layers: Sequence[int], num_shards: Optional[int]) -> list[list[_Group]]:
     if num_shards is None:
         return [[g for g in groups if g.layer == layer] for layer in layers]
-    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or not 1 <= num_shards <= len(groups):
+    if not is_int(num_shards) or not 1 <= num_shards <= len(groups):
         raise ValueError(f"num_shards={num_shards!r}: expected an int in [1, {len(groups)}] (tensor groups)")
     # Contiguous and byte-balanced: cut j falls after the first group whose running byte
     # total reaches j/n of the whole, kept so that every shard gets at least one group.
@@ -168,7 +169,7 @@ def write_checkpoint(checkpoint_dir: str | os.PathLike, config: MoEConfig, *, la
     """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config: expected a MoEConfig, got {type(config).__name__}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if not is_int(seed):
         raise TypeError(f"seed={seed!r}: expected an int")
     layers = list(layers)
     if not layers:

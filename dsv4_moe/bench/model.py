@@ -35,6 +35,8 @@ from typing import Optional
 
 import torch
 
+from dsv4_moe._types import is_int
+
 __all__ = [
     "Work", "LayerDims", "routed_expert_bytes", "shared_expert_bytes", "router_bytes",
     "count_routes", "layer_work", "floor_us", "SCOPES",
@@ -73,7 +75,7 @@ class LayerDims:
     def __post_init__(self) -> None:
         for key in ("hidden", "intermediate", "num_experts", "top_k"):
             v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            if not is_int(v) or v <= 0:
                 raise ValueError(f"LayerDims.{key}={v!r}: expected a positive int")
         if self.num_local is None:
             object.__setattr__(self, "num_local", self.num_experts)
@@ -162,7 +164,7 @@ def layer_work(dims: LayerDims, num_tokens: int, topk_ids: Optional[torch.Tensor
     local_routes (e.g. means over several rotated routings).
     """
     t = num_tokens
-    if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+    if not is_int(t) or t < 0:
         raise ValueError(f"layer_work: num_tokens={t!r}: expected an int >= 0")
     if topk_ids is not None:
         if topk_ids.shape[0] != t:
