@@ -65,6 +65,11 @@ _GEMV_PROGRAMS_PER_SM = 8
 # True / False): Pro-TP8 T=1 33.0 / 79.5, Flash T=1 55.7 / 83.8 - the unsplit GEMV is far too
 # slow beside the routed experts, so True stays.
 OVERLAPPED_GEMV_SPLIT = True
+# A/B switch (session 39, off by default): split the 64-row tiles (M > 16) over K, to about this
+# many programs per SM, when their tiles leave SMs idle - ignoring SPLIT_K_MAX_WS_FRACTION (at
+# Pro-TP8's shared gate_up, M = 64: 12 tiles of 64 x 64 each streaming K = 7168; the workspace
+# [KB, M, N] is 2x the weights). The same bits (the exact split-K of the same tile config).
+SPLIT_K_WIDE_PROGRAMS_PER_SM = 0
 
 
 def choose_split_k(m: int, n: int, k: int, tiles: int, num_sms: int = NUM_SMS_H200,
@@ -129,10 +134,12 @@ def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H200, fast_accu
         split = choose_split_k(m, n, k, tiles, num_sms, pps) if pps > 0 else 1
         return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, IMPRECISE=32,
                     SPLIT_K=max(1, split))
-    if m <= 128:
-        bn = 128 if -(-m // 64) * -(-n // 128) >= num_sms else 64
-        return dict(BLOCK_M=64, BLOCK_N=bn, GROUP_M=8, num_warps=4, num_stages=4, IMPRECISE=imp, SPLIT_K=1)
-    return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4, IMPRECISE=imp, SPLIT_K=1)
+    bn = 128 if m > 128 or -(-m // 64) * -(-n // 128) >= num_sms else 64
+    tiles = -(-m // 64) * -(-n // bn)
+    split = 1
+    if SPLIT_K_WIDE_PROGRAMS_PER_SM > 0 and tiles < num_sms and -(-k // _BLOCK) >= SPLIT_K_MIN_KB:
+        split = min(-(-k // _BLOCK), -(-SPLIT_K_WIDE_PROGRAMS_PER_SM * num_sms // tiles))
+    return dict(BLOCK_M=64, BLOCK_N=bn, GROUP_M=8, num_warps=4, num_stages=4, IMPRECISE=imp, SPLIT_K=split)
 
 
 def fp8_block_gemm_nt(q: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, *,
