@@ -243,6 +243,16 @@ def shared_fork_policy(num_tokens: int, intermediate: int) -> tuple[str, str]:
     # (all_call6_1adb013.log, us, after the logits / after the front): Pro-TP8 T=5 73.2 / 74.2, T=6
     # 79.0 / 82.5, T=8 92.8 / 93.1; Flash T=8 203.2 / 203.5, T=10 234.7 / 235.8, T=12 275.1 / 275.2 -
     # level, so the Flash-shaped layer keeps its fork after the front there.
+    # NOTE (session 39, H200, the layer bench - graph-chain, 16 rotated sets - us, after the front /
+    # after the alignment (layers.SHARED_FORK=align), docs/bench/2026-12-01/session39/): Pro-TP8
+    # (I = 384) T=64 373.3 / 360.8 and 375.3 / 360.9, T=96 465.4 / 462.6, T=128 512.3 / 500.7; but T=16
+    # 141.1 / 141.5, T=24 200.4 / 198.1, T=32 264.0 / 269.2, T=48 322.1 / 321.2, T=192 569.7 / 573.5, T=256
+    # 589.4 / 594.8, T=4 / 8 +3.4 / +4.4 (two runs of the default agree within 0.6 us). Without the
+    # shared expert (layers.PROBE_SKIP_SHARED) T=64 takes 343.9-344.6 and T=128 486.6: the fork after
+    # the alignment halves its cost there. Left after the front at I = 2048 (in line at these T).
+    if 0 < intermediate < 2048 and 64 <= num_tokens <= 128:
+        return "align", (f"T = {num_tokens}, I = {intermediate}: shared expert forked after the routed alignment's "
+                         f"launch (measured faster on the H200)")
     if intermediate >= 2048 and num_tokens == 1:
         return "align", f"T = 1, I = {intermediate}: shared expert forked after the routed alignment's launch"
     if 0 < intermediate < 2048 and (num_tokens == 2 or 4 <= num_tokens <= 8):

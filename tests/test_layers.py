@@ -296,8 +296,9 @@ def test_shared_overlap_policy_rule():
     assert not ov and "1.50 routed rows per expert" in why and "I = 2048" in why
     assert [dispatch.shared_fork_policy(t, 2048)[0] for t in (1, 2, 8, 12, 16)] == \
         ["align", "front", "front", "front", "front"]
-    assert [dispatch.shared_fork_policy(t, 384)[0] for t in (1, 2, 3, 4, 8, 9, 16)] == \
-        ["front", "logits", "front", "logits", "logits", "front", "front"]
+    assert [dispatch.shared_fork_policy(t, 384)[0] for t in (1, 2, 3, 4, 8, 9, 16, 63, 64, 128, 129)] == \
+        ["front", "logits", "front", "logits", "logits", "front", "front", "front", "align", "align", "front"]
+    assert [dispatch.shared_fork_policy(t, 2048)[0] for t in (64, 128)] == ["front", "front"]
 
 
 def test_shared_fork_switch(monkeypatch):
