@@ -249,7 +249,11 @@ def shared_fork_policy(num_tokens: int, intermediate: int) -> tuple[str, str]:
     # 141.1 / 141.5, T=24 200.4 / 198.1, T=32 264.0 / 269.2, T=48 322.1 / 321.2, T=192 569.7 / 573.5, T=256
     # 589.4 / 594.8, T=4 / 8 +3.4 / +4.4 (two runs of the default agree within 0.6 us). Without the
     # shared expert (layers.PROBE_SKIP_SHARED) T=64 takes 343.9-344.6 and T=128 486.6: the fork after
-    # the alignment halves its cost there. Left after the front at I = 2048 (in line at these T).
+    # the alignment halves its cost there. The rule's run (152faae, the same bench, rule / SHARED_FORK=front):
+    # T=48 323.3 / 323.5 (both after the front), T=64 360.5 / 376.1, T=80 429.6 / 428.8, T=112 482.0 /
+    # 484.6, T=128 506.4 / 512.1, T=160 553.1 / 547.9 (both after the front: the run-to-run spread at one
+    # T is up to ~5 us). So T = 64 gains 12-16 us in all three runs; the rest of the band is level
+    # within that spread. Left after the front at I = 2048 (in line at these T).
     if 0 < intermediate < 2048 and 64 <= num_tokens <= 128:
         return "align", (f"T = {num_tokens}, I = {intermediate}: shared expert forked after the routed alignment's "
                          f"launch (measured faster on the H200)")

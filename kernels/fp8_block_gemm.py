@@ -69,6 +69,13 @@ OVERLAPPED_GEMV_SPLIT = True
 # many programs per SM, when their tiles leave SMs idle - ignoring SPLIT_K_MAX_WS_FRACTION (at
 # Pro-TP8's shared gate_up, M = 64: 12 tiles of 64 x 64 each streaming K = 7168; the workspace
 # [KB, M, N] is 2x the weights). The same bits (the exact split-K of the same tile config).
+# NOTE (session 39, H200, docs/bench/2026-12-01/session39/): alone (scripts/gpu_probe_wide_split.py,
+# 4 per SM, L2-warm) the Pro-TP8 gate_up at M = 32 / 64 / 128 takes 26.0 -> 9.6 / 11.4 / 16.9 us, at
+# M = 256 46.3 -> 47.1; Flash's (64 tiles) loses, M = 64 15.8 -> 27.6, M = 256 27.8 -> 129.0. In the
+# Pro-TP8 layer (bench, graph-chain, us, off / 4 per SM): T=24 200.4 / 203.5, T=32 264.0 / 243.3,
+# T=48 322.1 / 324.3, T=64 373.3 / 366.8 and 375.3 / 367.0, T=96 465.4 / 454.5, T=128 512.3 / 510.3,
+# T=256 589.4 / 646.7; with the fork after the alignment at T = 64-128 it loses (T=64 418.4). No rule
+# held across T, so it stays off; the shared expert's cost it attacks is measured in DESIGN session 39.
 SPLIT_K_WIDE_PROGRAMS_PER_SM = 0
 
 

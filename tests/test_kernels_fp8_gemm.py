@@ -171,6 +171,21 @@ def test_choose_config_shapes():
     assert choose_config(8192, 4096, 4096, fast_accum=True)["IMPRECISE"] == 128
 
 
+def test_wide_split_switch(monkeypatch):
+    """fp8_block_gemm.SPLIT_K_WIDE_PROGRAMS_PER_SM (an A/B switch, off by default): the 64-row tiles
+    (M > 16) stay single pass by default; on, they split over K where their tiles leave SMs idle (the
+    same bits: test_split_k_bitwise_equals_single_pass's M = 17 case runs that tile config split)."""
+    from dsv4_moe.kernels import fp8_block_gemm as F
+
+    for m in (17, 64, 128, 256, 4096):
+        assert choose_config(m, 768, 7168)["SPLIT_K"] == 1
+    monkeypatch.setattr(F, "SPLIT_K_WIDE_PROGRAMS_PER_SM", 4)
+    assert [choose_config(m, 768, 7168)["SPLIT_K"] for m in (64, 128, 256)] == [44, 22, 22]  # 12, 24, 24 tiles
+    assert choose_config(64, 7168, 384)["SPLIT_K"] == 1        # K = 3 blocks: below SPLIT_K_MIN_KB
+    assert choose_config(4096, 768, 7168)["SPLIT_K"] == 1      # 384 tiles fill the GPU
+    assert choose_config(64, 768, 7168)["BLOCK_N"] == 64       # the tile config itself is unchanged
+
+
 def test_choose_split_k_workspace_crossover():
     # Workspace 4*KB*M*N bytes vs weights N*K: (M / 32) x; allowed up to 1/8 -> M <= 4.
     n, k = 4096, 4096
