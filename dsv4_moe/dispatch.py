@@ -292,6 +292,11 @@ def shared_prefetch_policy(num_tokens: int, intermediate: int, fork: "str | None
     # the decode GEMMs there wait on issue, not on the DRAM. Prefetching the chosen experts' routed
     # down weights after the front was slower at every T tried (Flash T=1 53.0 / 55.1, T=4 127.4 /
     # 135.2; Pro-TP8 T=1 32.2 / 33.5, T=4 62.4 / 65.9): not kept.
+    # NOTE (session 39, the layer bench, graph-chain, us, off / start / logits, with the shared expert
+    # forked after the alignment at T = 64-128; all_call7_6bfdcb2.log): Pro-TP8 T=32 265.5 / 264.1 /
+    # 262.3, T=48 324.9 / 324.9 / 321.9, T=64 361.8 / 362.8 / 363.1, T=96 460.4 / 463.5 / 462.5, T=128
+    # 499.9 (a second default run) / 501.1 / 499.8: level, so off there too. The shared gate_up's 12
+    # programs at these T are not helped by L2-resident weights inside the layer.
     if fork == "front" and 0 < intermediate < 2048 and num_tokens == 3:
         return "logits", (f"T = {num_tokens}, I = {intermediate}, shared expert forked after the front: its weights "
                           f"prefetched during the router's top-k and alignment (measured faster on the H200)")
