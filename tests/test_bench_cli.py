@@ -112,6 +112,20 @@ def test_stages_run_through_dispatch_on_cpu(tmp_path, capsys):
         assert r["label"] == "reference"  # what dispatch picks on CPU
 
 
+def test_check_rows_zero_reports_no_error_figure(tmp_path, capsys):
+    """--check-rows 0 (a timing probe whose output is not the layer's) times the rows unchecked: no
+    rel_err figure in the JSON or the table, and a note says so (it printed 0.0e+00 before)."""
+    path = tmp_path / "c.json"
+    assert main(FAST + ["--tokens", "1", "--parts", "stages", "--stages", "router,finalize", "--check-rows", "0",
+                        "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    doc = json.loads(path.read_text())
+    rows = [r for r in doc["rows"] if r["case"].startswith("stage ")]
+    assert rows and all(r["status"] == "ok" and r["rel_err"] is None for r in rows), rows
+    assert any("--check-rows 0: no row was checked" in n for n in doc["notes"])
+    assert "0.0e+00" not in out and "--check-rows 0: no row was checked" in out
+
+
 def test_routed_layout_option_reaches_the_layer_and_the_notes(tmp_path):
     """--routed-layout picks the byte order of this package's routed weights (the layer is
     built with it, not converted back by "auto"); the JSON notes say which and why."""

@@ -231,7 +231,7 @@ def run(b, cfg, w, w_ep_size, tokens, parts, paths, stage_list, peer_names) -> N
             row = b.case(base, lambda p=p: [p.bind(s, j) for j, s in rot],
                          lambda out, p=p: rel_err(_cut(out, n), ref(p.scope)), work=works[p.scope],
                          tol=PEER_TOLERANCE[p.name])
-            if "rel_err" in row:
+            if row.get("rel_err") is not None:
                 row["ref_rel_err_vs_unquantised"] = ref_noise(p.scope)
         _peer_sum_row(b, b.rows[first:], common, works["layer"])
         del sets, rot, refs, noise
