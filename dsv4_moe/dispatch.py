@@ -253,10 +253,10 @@ def shared_fork_policy(num_tokens: int, intermediate: int) -> tuple[str, str]:
     # T=48 323.3 / 323.5 (both after the front), T=64 360.5 / 376.1, T=80 429.6 / 428.8, T=112 482.0 /
     # 484.6, T=128 506.4 / 512.1, T=160 553.1 / 547.9 (both after the front: the run-to-run spread at one
     # T is up to ~5 us). So T = 64 gains 12-16 us in all three runs; the rest of the band is level
-    # within that spread. Left after the front at I = 2048 (in line at these T).
-    if 0 < intermediate < 2048 and 64 <= num_tokens <= 128:
+    # within that spread. Left after the front at I > 384 (unmeasured; I = 2048 runs in line at these T).
+    if 0 < intermediate <= 384 and 64 <= num_tokens <= 128:  # measured at I = 384 (narrower: fewer tiles still)
         return "align", (f"T = {num_tokens}, I = {intermediate}: shared expert forked after the routed alignment's "
-                         f"launch (measured faster on the H200)")
+                         f"launch (measured faster on the H200 at I = 384)")
     if intermediate >= 2048 and num_tokens == 1:
         return "align", f"T = 1, I = {intermediate}: shared expert forked after the routed alignment's launch"
     if 0 < intermediate < 2048 and (num_tokens == 2 or 4 <= num_tokens <= 8):

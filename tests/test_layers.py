@@ -298,7 +298,7 @@ def test_shared_overlap_policy_rule():
         ["align", "front", "front", "front", "front"]
     assert [dispatch.shared_fork_policy(t, 384)[0] for t in (1, 2, 3, 4, 8, 9, 16, 63, 64, 128, 129)] == \
         ["front", "logits", "front", "logits", "logits", "front", "front", "front", "align", "align", "front"]
-    assert [dispatch.shared_fork_policy(t, 2048)[0] for t in (64, 128)] == ["front", "front"]
+    assert [dispatch.shared_fork_policy(t, i)[0] for t in (64, 128) for i in (768, 2048)] == ["front"] * 4
 
 
 def test_shared_fork_switch(monkeypatch):
