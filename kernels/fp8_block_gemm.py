@@ -77,6 +77,11 @@ OVERLAPPED_GEMV_SPLIT = True
 # T=256 589.4 / 646.7; with the fork after the alignment at T = 64-128 it loses (T=64 418.4). No rule
 # held across T, so it stays off; the shared expert's cost it attacks is measured in DESIGN session 39.
 SPLIT_K_WIDE_PROGRAMS_PER_SM = 0
+# A/B switch (session 40): the row block of the mid-M tiles (16 < M <= 128). 64 (default): wgmma
+# tiles; 16 or 32: Triton's mma.sync tiles, as at decode (each row block re-reads the weights,
+# mostly from the L2; the FP8 sums as exact as the decode tiles'), 64 columns wide, split over K as
+# SPLIT_K_WIDE_PROGRAMS_PER_SM says.
+MID_M_BLOCK_M = 64
 
 
 def choose_split_k(m: int, n: int, k: int, tiles: int, num_sms: int = NUM_SMS_H200,
@@ -141,12 +146,16 @@ def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H200, fast_accu
         split = choose_split_k(m, n, k, tiles, num_sms, pps) if pps > 0 else 1
         return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, IMPRECISE=32,
                     SPLIT_K=max(1, split))
-    bn = 128 if m > 128 or -(-m // 64) * -(-n // 128) >= num_sms else 64
-    tiles = -(-m // 64) * -(-n // bn)
+    bm = MID_M_BLOCK_M if m <= 128 else 64
+    if bm not in (16, 32, 64):
+        raise ValueError(f"fp8_block_gemm.MID_M_BLOCK_M={MID_M_BLOCK_M!r}: expected 16, 32 or 64")
+    bn = 128 if bm == 64 and (m > 128 or -(-m // 64) * -(-n // 128) >= num_sms) else 64
+    tiles = -(-m // bm) * -(-n // bn)
     split = 1
     if SPLIT_K_WIDE_PROGRAMS_PER_SM > 0 and tiles < num_sms and -(-k // _BLOCK) >= SPLIT_K_MIN_KB:
         split = min(-(-k // _BLOCK), -(-SPLIT_K_WIDE_PROGRAMS_PER_SM * num_sms // tiles))
-    return dict(BLOCK_M=64, BLOCK_N=bn, GROUP_M=8, num_warps=4, num_stages=4, IMPRECISE=imp, SPLIT_K=split)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8 if bm == 64 else 1, num_warps=4, num_stages=4,
+                IMPRECISE=imp if bm == 64 else 32, SPLIT_K=split)
 
 
 def fp8_block_gemm_nt(q: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, *,
