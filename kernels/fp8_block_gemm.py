@@ -82,6 +82,9 @@ SPLIT_K_WIDE_PROGRAMS_PER_SM = 0
 # mostly from the L2; the FP8 sums as exact as the decode tiles'), 64 columns wide, split over K as
 # SPLIT_K_WIDE_PROGRAMS_PER_SM says.
 MID_M_BLOCK_M = 64
+# ... up to this M (A/B switch, session 40), and only where K has at least this many 128-blocks
+MID_M_MAX = 128
+MID_M_MIN_KB = 0
 
 
 def choose_split_k(m: int, n: int, k: int, tiles: int, num_sms: int = NUM_SMS_H200,
@@ -146,7 +149,7 @@ def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H200, fast_accu
         split = choose_split_k(m, n, k, tiles, num_sms, pps) if pps > 0 else 1
         return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, IMPRECISE=32,
                     SPLIT_K=max(1, split))
-    bm = MID_M_BLOCK_M if m <= 128 else 64
+    bm = MID_M_BLOCK_M if m <= MID_M_MAX and -(-k // _BLOCK) >= MID_M_MIN_KB else 64
     if bm not in (16, 32, 64):
         raise ValueError(f"fp8_block_gemm.MID_M_BLOCK_M={MID_M_BLOCK_M!r}: expected 16, 32 or 64")
     bn = 128 if bm == 64 and (m > 128 or -(-m // 64) * -(-n // 128) >= num_sms) else 64
