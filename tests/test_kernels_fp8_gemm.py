@@ -24,7 +24,8 @@ from dsv4_moe.testing import TOLERANCES
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 MAX_DIFF_FRACTION = 0.01
 MAX_ULP = 1
-# On the GPU the wgmma tiles (BLOCK_M > 16, i.e. M > 16 under choose_config) sum each 32-wide
+# On the GPU the wgmma tiles (BLOCK_M = 64: M > 16 under choose_config, but for the mid-M rule's
+# 16-row mma.sync blocks, MID_M_MAX_TILES) sum each 32-wide
 # K chunk inside the FP8 tensor core (tl.dot max_num_imprecise_acc = 32) before the fp32
 # promotion: their bound is TOLERANCES["fp8_gemm_wgmma"] (a share of differing outputs and the
 # error against the magnitude of the terms summed, `_magnitude`; measured on the H200 in sessions
@@ -36,7 +37,7 @@ ORDER_REL_MAG = TOLERANCES["fp8_gemm"].max_rel_magnitude
 
 
 def _wgmma_on_gpu(cfg: dict) -> bool:
-    return DEV == "cuda" and not _triton_interp.INTERPRETING and not cfg.get("GEMV") and cfg["BLOCK_M"] > 16
+    return DEV == "cuda" and not _triton_interp.INTERPRETING and not cfg.get("GEMV") and cfg["BLOCK_M"] >= 64
 
 
 def _magnitude(q, sa, w, sw):
@@ -179,11 +180,51 @@ def test_wide_split_switch(monkeypatch):
 
     for m in (17, 64, 128, 256, 4096):
         assert choose_config(m, 768, 7168)["SPLIT_K"] == 1
+    monkeypatch.setattr(F, "MID_M_BLOCK_M", 64)  # session 39 measured it on the 64-row tiles
     monkeypatch.setattr(F, "SPLIT_K_WIDE_PROGRAMS_PER_SM", 4)
     assert [choose_config(m, 768, 7168)["SPLIT_K"] for m in (64, 128, 256)] == [44, 22, 22]  # 12, 24, 24 tiles
     assert choose_config(64, 7168, 384)["SPLIT_K"] == 1        # K = 3 blocks: below SPLIT_K_MIN_KB
     assert choose_config(4096, 768, 7168)["SPLIT_K"] == 1      # 384 tiles fill the GPU
     assert choose_config(64, 768, 7168)["BLOCK_N"] == 64       # the tile config itself is unchanged
+
+
+def test_mid_m_rule(monkeypatch):
+    """16 < M <= 256 where the 64-row tiles are few (<= MID_M_MAX_TILES of 64 x 64) and K long (>=
+    MID_M_MIN_KB blocks): 16-row mma.sync blocks, 64 wide, one pass (session 40: V4-Pro TP8's shared
+    gate_up); elsewhere 64-row wgmma tiles; MID_M_BLOCK_M = 64 turns it off; a bad value is named."""
+    from dsv4_moe.kernels import fp8_block_gemm as F
+
+    def tile(m, n, k):
+        c = choose_config(m, n, k)
+        return c["BLOCK_M"], c["BLOCK_N"], c["SPLIT_K"]
+
+    for m in (17, 32, 64, 128, 192, 256):               # Pro-TP8 gate_up: 12-48 tiles of 64 x 64
+        assert tile(m, 768, 7168) == (16, 64, 1)
+    assert tile(257, 768, 7168)[0] == 64                 # past MID_M_MAX
+    assert tile(64, 7168, 384)[0] == 64                  # Pro-TP8 down: K = 3 blocks
+    assert tile(64, 4096, 4096)[0] == 64                 # Flash gate_up: 64 tiles
+    assert tile(64, 4096, 2048)[0] == 64                 # Flash down
+    assert tile(4096, 768, 7168)[0] == 64                # prefill
+    assert tile(16, 768, 7168) == (16, 64, 1)            # decode (M <= 16) as before
+    monkeypatch.setattr(F, "MID_M_BLOCK_M", 64)
+    assert tile(64, 768, 7168) == (64, 64, 1)
+    monkeypatch.setattr(F, "MID_M_BLOCK_M", 48)
+    with pytest.raises(ValueError, match="MID_M_BLOCK_M=48: expected 16, 32 or 64"):
+        choose_config(64, 768, 7168)
+
+
+@pytest.mark.parametrize("bm", [16, 32, 64])
+def test_mid_m_row_blocks_vs_reference(monkeypatch, bm):
+    """Each mid-M row block (split over K too) against the reference, with its path's bound."""
+    from dsv4_moe.kernels import fp8_block_gemm as F
+
+    monkeypatch.setattr(F, "MID_M_BLOCK_M", bm)
+    m, n, k = 40, 128, 1024
+    assert choose_config(m, n, k)["BLOCK_M"] == bm
+    got, _ = check(m, n, k, seed=bm)
+    q, sa, w, sw = make_case(m, n, k, seed=bm)
+    split = fp8_block_gemm_nt(q.to(DEV), sa.to(DEV), w.to(DEV), sw.to(DEV), split_k=3).cpu()
+    assert torch.equal(split.view(torch.int16), got.view(torch.int16))
 
 
 def test_choose_split_k_workspace_crossover():
