@@ -24,7 +24,6 @@ import torch
 
 from . import dispatch, stages
 from ._checks import capturing, check_hidden, check_router, check_types
-from ._types import is_int
 from .config import MoEConfig
 from .dispatch import DispatchContext
 from .mlp import DeepseekV4MLP, _NativeBuffers
@@ -45,14 +44,14 @@ __all__ = ["DeepseekV4MLP", "DeepseekV4MoE", "load_moe_layer", "choose_routed_la
 # routed chain on a layer-owned stream of priority 0 (the caller's) / -1 / -5 beside this one -
 # gained nothing: Pro-TP8 T=1 32.7 / 33.3 / 33.3, T=2 46.0 / 46.8 / 46.8, T=16 151.3 / 152.1 /
 # 151.9; Flash T=1 56.0 / 56.8 / 56.8, T=16 337.8 / 339.1 / 341.7 (T=4, 8 level). Removed.
+# NOTE (session 40, H200, docs/bench/2026-12-01/session40/, commit e6fecd4's SHARED_TAIL_PRIORITY,
+# since removed): the shared SwiGLU-quant and down GEMM on a second stream of priority -5 after the
+# shared gate_up. The timelines had shown them waiting for the routed down's last wave at Pro-TP8
+# T = 64 / 128 (the SwiGLU launch starting 101 / 142 us after the gate_up ended). With the priority
+# they ran right away, but the routed down stretched by as much: layer bench (graph-chain, us,
+# default / priority -5): T=32 263.0 / 264.3, T=64 363.2 / 393.8, T=96 457.8 / 489.1, T=128 508.7 /
+# 541.4, T=256 605.5 / 631.2; Flash T=64 823.1 / 834.7, T=256 1143.6 / 1148.3.
 SIDE_STREAM_PRIORITY = 0
-# A/B switch (session 40): None runs the whole shared expert on the side stream; an int runs its
-# SwiGLU-quant and down GEMM on a second side stream of that CUDA priority (negative: higher),
-# after its gate_up. Why: in session 40's timelines (Pro-TP8 T = 64 / 128, fork after the routed
-# alignment) the shared gate_up ends during the routed down's first wave, and the shared SwiGLU
-# launch then waits for the routed down's last wave to get an SM (it starts 101 / 142 us after the
-# gate_up ends), which delays the finalize. Same kernels, same bits either way.
-SHARED_TAIL_PRIORITY = None
 # Where the shared expert's side stream forks (dispatch.shared_fork_policy says why): "auto"
 # (the policy), "logits" (between the router's logits launch, which quantises x, and its top-k
 # launch, on the front's quant_in_logits path; after the front on the others), "front" (right
@@ -248,10 +247,8 @@ class DeepseekV4MoE(_NativeBuffers):
             main_ = torch.cuda.current_stream(x.device)
             side.wait_stream(main_)
             split = dispatch.shared_split_policy(t, c.local_intermediate(self.tp_size))[0]
-            tail = self._tail_stream(x.device)
             with torch.cuda.stream(side), dispatch.side_stream_scope(split):
-                forked.append(self.shared_experts.forward_quantised(q_, sa_, ctx, tail_stream=tail))
-                forked.append(tail)
+                forked.append(self.shared_experts.forward_quantised(q_, sa_, ctx))
 
         point = self._shared_fork(t) if side is not None else None
         pf_point = self._shared_prefetch_point(t) if x.device.type == "cuda" and not PROBE_SKIP_SHARED else "off"
@@ -296,8 +293,6 @@ class DeepseekV4MoE(_NativeBuffers):
             shared = forked[0]
             main = torch.cuda.current_stream(x.device)
             main.wait_stream(side)
-            if forked[1] is not None:
-                main.wait_stream(forked[1])
             shared.record_stream(main)  # allocated on the side stream, freed after main reads it
         if pf is not None:  # the prefetch stream joins too (a capture must end on the origin stream)
             torch.cuda.current_stream(x.device).wait_stream(pf)
@@ -352,20 +347,6 @@ class DeepseekV4MoE(_NativeBuffers):
         key = (idx, SIDE_STREAM_PRIORITY)
         if key not in self._side_streams:
             self._side_streams[key] = torch.cuda.Stream(device=device, priority=SIDE_STREAM_PRIORITY)
-        return self._side_streams[key]
-
-    def _tail_stream(self, device: torch.device):
-        """The stream of the shared expert's SwiGLU-quant and down GEMM (SHARED_TAIL_PRIORITY; None:
-        they stay on the side stream)."""
-        if SHARED_TAIL_PRIORITY is None:
-            return None
-        if not is_int(SHARED_TAIL_PRIORITY):
-            raise ValueError(f"layers.SHARED_TAIL_PRIORITY={SHARED_TAIL_PRIORITY!r}: expected None or an int "
-                             f"(a CUDA stream priority)")
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        key = ("tail", idx, SHARED_TAIL_PRIORITY)
-        if key not in self._side_streams:
-            self._side_streams[key] = torch.cuda.Stream(device=device, priority=SHARED_TAIL_PRIORITY)
         return self._side_streams[key]
 
     def _probe_zeros(self, x: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,6 @@ paths; DeepseekV4MoE (dsv4_moe/layers.py) runs it on the rows it has already qua
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -81,20 +79,11 @@ class DeepseekV4MLP(_NativeBuffers):
         q, sa = dispatch.select("act_quant", ctx).impl(x)
         return self.forward_quantised(q, sa, ctx)
 
-    def forward_quantised(self, q: torch.Tensor, sa: torch.Tensor, ctx: DispatchContext,
-                          tail_stream: Optional[torch.cuda.Stream] = None) -> torch.Tensor:
+    def forward_quantised(self, q: torch.Tensor, sa: torch.Tensor, ctx: DispatchContext) -> torch.Tensor:
         """The expert on already-quantised rows (q, sa = act_quant(x)), so the MoE layer
-        quantises x once for the shared and the routed GEMMs. `tail_stream` (CUDA): the
-        SwiGLU-quant and the down GEMM run there, after the gate_up on the current stream (the
-        same kernels, the same bits); the caller joins that stream before reading the output."""
+        quantises x once for the shared and the routed GEMMs."""
         gemm = dispatch.select("fp8_gemm", ctx).impl
         gu = gemm(q, sa, self.w_gate_up, self.w_gate_up_scale)
-        if tail_stream is not None:
-            tail_stream.wait_stream(torch.cuda.current_stream(gu.device))
-            gu.record_stream(tail_stream)  # allocated on the current stream, read on the tail one
-            with torch.cuda.stream(tail_stream):
-                hq, hs = dispatch.select("swiglu_quant", ctx).impl(gu, self.config.swiglu_limit)
-                return gemm(hq, hs, self.w_down, self.w_down_scale)
         hq, hs = dispatch.select("swiglu_quant", ctx).impl(gu, self.config.swiglu_limit)
         return gemm(hq, hs, self.w_down, self.w_down_scale)
 

@@ -242,8 +242,8 @@ def _load(args, device: str):
 
 
 def _apply_set(item: str) -> str:
-    """MODULE.ATTR=VALUE: set an existing module constant, VALUE parsed as its current type (a
-    constant that is None takes "none" or an int); returns the note the report carries."""
+    """MODULE.ATTR=VALUE: set an existing module constant, VALUE parsed as its current type;
+    returns the note the report carries."""
     import importlib
 
     target, sep, value = item.partition("=")
@@ -261,11 +261,6 @@ def _apply_set(item: str) -> str:
         if value.lower() not in ("0", "1", "true", "false", "on", "off"):
             raise ValueError(f"{attr} is a bool: expected 0/1/true/false/on/off, got {value!r}")
         new = value.lower() in ("1", "true", "on")
-    elif old is None:  # an optional setting (e.g. layers.SHARED_TAIL_PRIORITY): "none" or an int
-        try:
-            new = None if value.lower() == "none" else int(value)
-        except ValueError:
-            raise ValueError(f"{attr} is None by default: expected 'none' or an int, got {value!r}") from None
     elif isinstance(old, (int, float, str)):
         try:
             new = type(old)(value)
