@@ -5,6 +5,7 @@ blocks of 16 or 32 (kernels.fp8_block_gemm.MID_M_BLOCK_M), split over K or not
 result, and split == unsplit bitwise for the same row block.
 
     python3 scripts/gpu_probe_mid_m.py [--variants 64:0,16:0,32:0,16:2,32:2]
+    python3 scripts/gpu_probe_mid_m.py --shapes 64x4096x4096 --forced 64x64x4x4,16x64x4x6  # BMxBNxWARPSxSTAGES
 """
 from __future__ import annotations
 
@@ -56,12 +57,16 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--variants", default="64:0,16:0,32:0,16:2,32:2,16:4",
                    help="BLOCK_M:split-K programs per SM, comma-separated")
+    p.add_argument("--shapes", default="", help="MxNxK,... (default: the built-in list)")
+    p.add_argument("--forced", default="", help="forced tile configs BMxBNxWARPSxSTAGES,... (each after the variants)")
     args = p.parse_args()
-    variants = [tuple(int(x) for x in v.split(":")) for v in args.variants.split(",")]
+    variants = [tuple(int(x) for x in v.split(":")) for v in args.variants.split(",") if v]
+    forced = [tuple(int(x) for x in v.split("x")) for v in args.forced.split(",") if v]
+    shapes = [tuple(int(x) for x in v.split("x")) for v in args.shapes.split(",") if v] or SHAPES
     g = torch.Generator().manual_seed(0)
     bad = 0
     print(f"{'M':>4} {'N':>5} {'K':>5} | {'BM:pps':>6} | split | {'us':>6} | % off fp64 | == unsplit")
-    for m, n, k in SHAPES:
+    for m, n, k in shapes:
         q, sa, w, sw = _inputs(m, n, k, g)
         exact = _exact(q, sa, w, sw)
         unsplit = {}
@@ -83,6 +88,16 @@ def main() -> int:
                 same = str(eq)
             print(f"{m:>4} {n:>5} {k:>5} | {bm:>3}:{pps:<2} | {split:>5} | {t:>6.1f} | {off:>10.3f} | {same}",
                   flush=True)
+        for bm, bn, nw, ns in forced:
+            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=nw, num_stages=ns, IMPRECISE=32, SPLIT_K=1)
+            try:
+                out = F.fp8_block_gemm_nt(q, sa, w, sw, config=cfg)
+                t = _time_us(lambda: F.fp8_block_gemm_nt(q, sa, w, sw, config=cfg))
+            except Exception as e:  # e.g. out of shared memory: say so and go on
+                print(f"{m:>4} {n:>5} {k:>5} | {bm}x{bn}x{nw}x{ns} | failed: {type(e).__name__}: {str(e)[:80]}")
+                continue
+            off = (out.view(torch.int16) != exact.view(torch.int16)).double().mean().item() * 100
+            print(f"{m:>4} {n:>5} {k:>5} | {bm}x{bn}x{nw}x{ns} | {1:>5} | {t:>6.1f} | {off:>10.3f} |", flush=True)
     print("every split bitwise its unsplit twin" if not bad else f"{bad} splits differ from their unsplit twin")
     return 1 if bad else 0
 
