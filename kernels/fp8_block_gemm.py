@@ -77,8 +77,6 @@ OVERLAPPED_GEMV_SPLIT = True
 # T=256 589.4 / 646.7; with the fork after the alignment at T = 64-128 it loses (T=64 418.4). No rule
 # held across T, so it stays off; the shared expert's cost it attacks is measured in DESIGN session 39.
 SPLIT_K_WIDE_PROGRAMS_PER_SM = 0
-# A/B switch (session 40): the column width of the decode tiles (2 <= M <= 16).
-DECODE_BLOCK_N = 64
 # Mid M (16 < M <= MID_M_MAX) where the 64-row tiles leave most SMs idle while each streams a
 # long K (at most MID_M_MAX_TILES tiles of 64 x 64, K of at least MID_M_MIN_KB 128-blocks: V4-Pro
 # TP8's shared gate_up, N = 768, K = 7168, up to M = 256): row blocks of MID_M_BLOCK_M on Triton's
@@ -161,11 +159,17 @@ def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H200, fast_accu
         # per program with 2 warps spilled (Pro-TP1 gate_up 29.7 us).
         return dict(BLOCK_M=1, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, IMPRECISE=32, GEMV=True,
                     SPLIT_K=-(-(-(-k // _BLOCK)) // 2), KB_VEC=True)
+    # NOTE (session 40, H200, the Pro-TP8 layer bench, graph-chain, us, T = 4 / 8 / 12 / 16; the shared
+    # expert beside the routed experts; docs/bench/2026-12-01/session40/all_call7_9a29c08.log): this
+    # config 64.2 / 92.2 / 120.2 / 141.0 (again 64.4 / 92.1 / 120.4 / 141.0); BLOCK_N 32: 63.2 / 92.5 /
+    # 121.5 / 144.8; BLOCK_N 128: 66.9 / 100.2 / 128.5 / 161.5; split-K without the workspace cap
+    # (SPLIT_K_MAX_WS_FRACTION 1.0, ~4 programs per SM): 64.7 / 94.9 / 121.6 / 143.3, at ~1 per SM:
+    # 63.1 / 94.2 / 124.7 / 166.1. Kept.
     if m <= 16:
-        tiles = -(-n // DECODE_BLOCK_N)
+        tiles = -(-n // 64)
         pps = _SPLIT_K_PROGRAMS_PER_SM if split_k_programs_per_sm is None else split_k_programs_per_sm
         split = choose_split_k(m, n, k, tiles, num_sms, pps) if pps > 0 else 1
-        return dict(BLOCK_M=16, BLOCK_N=DECODE_BLOCK_N, GROUP_M=1, num_warps=4, num_stages=4, IMPRECISE=32,
+        return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, IMPRECISE=32,
                     SPLIT_K=max(1, split))
     if MID_M_BLOCK_M not in (16, 32, 64):
         raise ValueError(f"fp8_block_gemm.MID_M_BLOCK_M={MID_M_BLOCK_M!r}: expected 16, 32 or 64")
