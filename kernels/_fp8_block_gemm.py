@@ -26,15 +26,15 @@ in the (unrealistic) underflow case; without it, bitwise equality holds uncondit
 The cost is one FMUL per accumulator element per 128-wide K block.
 
 NOTE: IMPRECISE is tl.dot's max_num_imprecise_acc. On Hopper the fp8 wgmma accumulates
-inside one instruction (k = 32) with reduced precision (measured on the H200 at
-M = 4096 vs the fp64-in-block reference: 2.5% of bf16 outputs differ with IMPRECISE=32,
-6.2% with 128 -- the same as torch's scaled_mm; on 16-row tiles (M <= 16, and the mid-M
-rule of fp8_block_gemm.choose_config) Triton uses mma.sync and 0% differ). IMPRECISE=128
-lets the tensor core accumulate the whole 128-wide block (as DeepGEMM and Triton's SM90
-default do) and avoids a wgmma wait + fp32 add after every k = 32 step; IMPRECISE=32 promotes into fp32 registers after every wgmma, as close to
-an fp32 in-block sum as the hardware gets. 32 is the default (accuracy);
-fp8_block_gemm.FAST_PREFILL_IMPRECISE names the faster mode, and gpu_check_shared.py
-times both.
+inside one instruction (k = 32) with reduced precision (measured on the H200 at M = 4096
+vs the fp64-in-block reference: 2.5% of bf16 outputs differ with IMPRECISE=32, 6.2% with
+128 -- the same as torch's scaled_mm; on 16-row tiles (M <= 16, and the mid-M rule of
+fp8_block_gemm.choose_config) Triton uses mma.sync and 0% differ). IMPRECISE=128 lets
+the tensor core accumulate the whole 128-wide block (as DeepGEMM and Triton's SM90
+default do) and avoids a wgmma wait + fp32 add after every k = 32 step; IMPRECISE=32
+promotes into fp32 registers after every wgmma, as close to an fp32 in-block sum as the
+hardware gets. 32 is the default (accuracy); fp8_block_gemm.FAST_PREFILL_IMPRECISE names
+the faster mode, and gpu_check_shared.py times both.
 
 NOTE (registers, from `ptxas -v -arch=sm_90a` on this kernel compiled offline with
 triton.compile(ASTSource(..., attrs=divisibility 16), GPUTarget("cuda", 90, 32))):
