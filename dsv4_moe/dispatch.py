@@ -162,8 +162,8 @@ def shared_split_policy(num_tokens: int, intermediate: int) -> tuple[Optional[in
         return 0, (f"T = {num_tokens}, I = {intermediate}: decode GEMMs unsplit (N / 64 programs), leaving SMs "
                    f"to the routed front (measured faster on the H200)")
     if num_tokens > 16:  # fp8_block_gemm.choose_config splits only M <= 16 (the split target is unused above)
-        return None, ("GEMMs in one pass (T > 16): 64-row tiles, or 16-row ones where those are few and K "
-                      "is long (fp8_block_gemm.MID_M_MAX_TILES)")
+        return None, ("GEMMs in one pass (T > 16): 64-row tiles, or 16 / 32-row ones on narrow GEMMs with a "
+                      "long K (fp8_block_gemm.MID_M_MAX_N)")
     return None, "decode GEMMs on their in-line split-K grids"
 
 

@@ -77,28 +77,32 @@ OVERLAPPED_GEMV_SPLIT = True
 # T=256 589.4 / 646.7; with the fork after the alignment at T = 64-128 it loses (T=64 418.4). No rule
 # held across T, so it stays off; the shared expert's cost it attacks is measured in DESIGN session 39.
 SPLIT_K_WIDE_PROGRAMS_PER_SM = 0
-# Mid M (16 < M <= MID_M_MAX) where the 64-row tiles leave most SMs idle while each streams a
-# long K (at most MID_M_MAX_TILES tiles of 64 x 64, K of at least MID_M_MIN_KB 128-blocks: V4-Pro
-# TP8's shared gate_up, N = 768, K = 7168, up to M = 256): row blocks of MID_M_BLOCK_M on Triton's
-# mma.sync, 64 columns, one pass, as at decode (each row block re-reads the weights, mostly from
-# the L2). Elsewhere 64-row wgmma tiles. MID_M_BLOCK_M = 64 turns the rule off.
+# Mid M (16 < M <= MID_M_MAX) on narrow GEMMs with a long K (N <= MID_M_MAX_N, K of at least
+# MID_M_MIN_KB 128-blocks: V4-Pro TP8's shared gate_up, N = 768, K = 7168, and narrower per-rank
+# widths), where the 64-row tiles are few programs each streaming all of K: row blocks of
+# MID_M_BLOCK_M (M <= 256) or MID_M_BLOCK_M_LARGE (M > 256) on Triton's mma.sync, 64 columns, one
+# pass (each row block re-reads the weights, mostly from the L2). Elsewhere 64-row wgmma tiles.
+# MID_M_BLOCK_M = MID_M_BLOCK_M_LARGE = 64 turns the rule off.
 # NOTE (session 40, H200, docs/bench/2026-12-01/session40/): alone (scripts/gpu_probe_mid_m.py,
 # L2-warm, us, 64-row wgmma / 16-row mma.sync, % of bf16 outputs off the fp64-summed result) the
 # Pro-TP8 gate_up at M = 32 / 64 / 128 takes 26.0 / 26.0 / 26.1 -> 19.3 / 19.4 / 19.5 us, 2.6-2.8 % ->
 # 0.004 % off; the Pro-TP8 down (K = 3 blocks) 3.3 -> 6.0 (why MID_M_MIN_KB), Flash's gate_up at
-# M = 64 (64 tiles) 15.8 -> 15.7. In the Pro-TP8 layer, beside the routed experts on the side stream
-# (bench, graph-chain, us, 64-row / 16-row with the rule's K and tile limits and M <= 256): T=17 162.7
-# / 163.0, T=24 199.3 / 198.2, T=32 265.2 / 240.8, T=64 361.9 / 355.0, T=96 473.4 / 451.7, T=128 500.3 /
-# 496.7, T=160 558.0 / 541.7, T=192 572.4 / 537.6, T=256 603.7 / 590.6 (T=32 in four runs over two
-# calls: 265.0-265.6 / 240.6-240.9; the spread between runs of one config is up to ~13 us at T >= 96).
-# The smaller programs (72-80 registers, 10 KB of shared memory per stage against ~200 and 16 KB)
-# share the SMs with the routed grid better. Split over K they lost at T >= 64 (T=64 ~420). In the
-# Flash layer (the shared expert in line at these T; 16-row tiles at every M <= 256 there) it was
-# mixed: T=24 464.3 / 483.0, T=32 584.5 / 566.2, T=64 841.9 / 833.0, T=128 1041.7 / 1058.3, T=256
-# 1153.9 / 1185.2 - so the rule keeps Flash's gate_up (64 tiles at M <= 64) on wgmma tiles.
+# M = 64 15.8 -> 15.7. In the Pro-TP8 layer, beside the routed experts on the side stream (bench,
+# graph-chain, us, 64-row / 16-row): T=17 162.7 / 163.0, T=24 199.3 / 198.2, T=32 265.2 / 240.8,
+# T=64 361.9 / 355.0, T=96 473.4 / 451.7, T=128 500.3 / 496.7, T=160 558.0 / 541.7, T=192 572.4 /
+# 537.6, T=256 603.7 / 590.6 (T=32 in five runs over three calls: 240.6-241.2 against 261.2-265.6;
+# the spread between runs of one config is up to ~13 us at T >= 96); above T = 256 (64-row / 16-row /
+# 32-row): T=384 619.0 and 638.1 / 624.8 / 618.6, T=512 676.9 and 681.2 / 654.8 / 659.6, T=768 772.7
+# and 775.4 / 748.8 / 732.8, T=1024 825.1 and 833.4 / 821.3 / 779.3; 32-row at T <= 128 was 0.8-2.8
+# us behind 16-row. The smaller programs (72-80 registers, 10 KB of shared memory per stage against
+# ~200 and 16 KB) share the SMs with the routed grid better. Split over K they lost at T >= 64 (T=64
+# ~420). In the Flash layer (N = 4096, the shared expert in line at these T; 16-row tiles at every
+# M <= 256) it was mixed: T=24 464.3 / 483.0, T=32 584.5 / 566.2, T=64 841.9 / 833.0, T=128 1041.7 /
+# 1058.3, T=256 1153.9 / 1185.2 - so the rule keeps N > 768 on the wgmma tiles.
 MID_M_BLOCK_M = 16
-MID_M_MAX = 256
-MID_M_MAX_TILES = 48
+MID_M_BLOCK_M_LARGE = 32
+MID_M_MAX = 1024
+MID_M_MAX_N = 768
 MID_M_MIN_KB = 8
 
 
@@ -129,8 +133,8 @@ def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H200, fast_accu
     K (measured ~1 TB/s), so the exact split-K (choose_split_k) spreads K over ~4
     programs per SM.
     Mid M (<= 128): 64-row tiles, single pass (the split-K workspace would outweigh the
-    weights); where those tiles are few and K is long (MID_M_MAX_TILES, MID_M_MIN_KB: V4-Pro
-    TP8's shared gate_up up to M = 256) 16-row mma.sync blocks instead.
+    weights); on narrow GEMMs with a long K (MID_M_MAX_N, MID_M_MIN_KB: V4-Pro TP8's shared
+    gate_up) 16-row mma.sync blocks instead, 32-row from M = 257 to MID_M_MAX.
     Prefill: 64 x 128, 4 warps, 4 stages -- the best of the swept configs at M = 4096 on
     all six shapes (H200: flash gate_up 302 us vs 540 us for 128 x 128 x 8 warps and
     1393 us for 128 x 256, which spills: the fp32 accumulator plus the fp32 block
@@ -171,10 +175,11 @@ def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H200, fast_accu
         split = choose_split_k(m, n, k, tiles, num_sms, pps) if pps > 0 else 1
         return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, IMPRECISE=32,
                     SPLIT_K=max(1, split))
-    if MID_M_BLOCK_M not in (16, 32, 64):
-        raise ValueError(f"fp8_block_gemm.MID_M_BLOCK_M={MID_M_BLOCK_M!r}: expected 16, 32 or 64")
-    mid = m <= MID_M_MAX and -(-m // 64) * -(-n // 64) <= MID_M_MAX_TILES and -(-k // _BLOCK) >= MID_M_MIN_KB
-    bm = MID_M_BLOCK_M if mid else 64
+    for name, v in (("MID_M_BLOCK_M", MID_M_BLOCK_M), ("MID_M_BLOCK_M_LARGE", MID_M_BLOCK_M_LARGE)):
+        if v not in (16, 32, 64):
+            raise ValueError(f"fp8_block_gemm.{name}={v!r}: expected 16, 32 or 64")
+    mid = m <= MID_M_MAX and n <= MID_M_MAX_N and -(-k // _BLOCK) >= MID_M_MIN_KB
+    bm = (MID_M_BLOCK_M if m <= 256 else MID_M_BLOCK_M_LARGE) if mid else 64
     bn = 128 if bm == 64 and (m > 128 or -(-m // 64) * -(-n // 128) >= num_sms) else 64
     tiles = -(-m // bm) * -(-n // bn)
     split = 1

@@ -25,7 +25,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 MAX_DIFF_FRACTION = 0.01
 MAX_ULP = 1
 # On the GPU the wgmma tiles (BLOCK_M = 64: M > 16 under choose_config, but for the mid-M rule's
-# 16-row mma.sync blocks, MID_M_MAX_TILES) sum each 32-wide
+# mma.sync blocks on narrow GEMMs, MID_M_MAX_N) sum each 32-wide
 # K chunk inside the FP8 tensor core (tl.dot max_num_imprecise_acc = 32) before the fp32
 # promotion: their bound is TOLERANCES["fp8_gemm_wgmma"] (a share of differing outputs and the
 # error against the magnitude of the terms summed, `_magnitude`; measured on the H200 in sessions
@@ -189,27 +189,34 @@ def test_wide_split_switch(monkeypatch):
 
 
 def test_mid_m_rule(monkeypatch):
-    """16 < M <= 256 where the 64-row tiles are few (<= MID_M_MAX_TILES of 64 x 64) and K long (>=
-    MID_M_MIN_KB blocks): 16-row mma.sync blocks, 64 wide, one pass (session 40: V4-Pro TP8's shared
-    gate_up); elsewhere 64-row wgmma tiles; MID_M_BLOCK_M = 64 turns it off; a bad value is named."""
+    """16 < M <= 1024 on narrow GEMMs (N <= MID_M_MAX_N) with a long K (>= MID_M_MIN_KB blocks):
+    mma.sync row blocks, 16 rows to M = 256 and 32 above, 64 wide, one pass (session 40: V4-Pro TP8's
+    shared gate_up); elsewhere 64-row wgmma tiles; 64 turns it off; a bad value is named."""
     from dsv4_moe.kernels import fp8_block_gemm as F
 
     def tile(m, n, k):
         c = choose_config(m, n, k)
         return c["BLOCK_M"], c["BLOCK_N"], c["SPLIT_K"]
 
-    for m in (17, 32, 64, 128, 192, 256):               # Pro-TP8 gate_up: 12-48 tiles of 64 x 64
+    for m in (17, 32, 64, 128, 192, 256):               # Pro-TP8 gate_up
         assert tile(m, 768, 7168) == (16, 64, 1)
-    assert tile(257, 768, 7168)[0] == 64                 # past MID_M_MAX
+    for m in (257, 512, 1024):
+        assert tile(m, 768, 7168) == (32, 64, 1)
+    assert tile(1025, 768, 7168)[0] == 64                # past MID_M_MAX
+    assert tile(512, 512, 4096) == (32, 64, 1)           # a narrower per-rank width (Flash at TP8)
     assert tile(64, 7168, 384)[0] == 64                  # Pro-TP8 down: K = 3 blocks
-    assert tile(64, 4096, 4096)[0] == 64                 # Flash gate_up: 64 tiles
+    assert tile(64, 4096, 4096)[0] == 64                 # Flash gate_up: N = 4096
     assert tile(64, 4096, 2048)[0] == 64                 # Flash down
+    assert tile(64, 1536, 7168)[0] == 64                 # wider than measured (Pro at TP4)
     assert tile(4096, 768, 7168)[0] == 64                # prefill
     assert tile(16, 768, 7168) == (16, 64, 1)            # decode (M <= 16) as before
     monkeypatch.setattr(F, "MID_M_BLOCK_M", 64)
     assert tile(64, 768, 7168) == (64, 64, 1)
-    monkeypatch.setattr(F, "MID_M_BLOCK_M", 48)
-    with pytest.raises(ValueError, match="MID_M_BLOCK_M=48: expected 16, 32 or 64"):
+    assert tile(512, 768, 7168)[0] == 32
+    monkeypatch.setattr(F, "MID_M_BLOCK_M_LARGE", 64)
+    assert tile(512, 768, 7168)[0] == 64
+    monkeypatch.setattr(F, "MID_M_BLOCK_M_LARGE", 48)
+    with pytest.raises(ValueError, match="MID_M_BLOCK_M_LARGE=48: expected 16, 32 or 64"):
         choose_config(64, 768, 7168)
 
 

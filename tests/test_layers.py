@@ -324,9 +324,9 @@ def test_shared_fork_switch(monkeypatch):
     assert _explain.shared_line(layer, 3).endswith("decode GEMMs unsplit (N / 64 programs), leaving SMs to the "
                                                    "routed front (measured faster on the H200)")
     assert _explain.shared_line(layer, 16).endswith("decode GEMMs on their in-line split-K grids")
-    assert _explain.shared_line(layer, 17).endswith("GEMMs in one pass (T > 16): 64-row tiles, or 16-row ones "
-                                                    "where those are few and K is long "
-                                                    "(fp8_block_gemm.MID_M_MAX_TILES)")
+    assert _explain.shared_line(layer, 17).endswith("GEMMs in one pass (T > 16): 64-row tiles, or 16 / 32-row "
+                                                    "ones on narrow GEMMs with a long K "
+                                                    "(fp8_block_gemm.MID_M_MAX_N)")
     monkeypatch.setattr(layers, "SHARED_FORK", "logits")
     assert "forked after the router's logits launch" in _explain.shared_line(layer, 2)
     monkeypatch.setattr(layers, "SHARED_FORK", "gate_up")  # measured slower in session 32, removed
