@@ -29,7 +29,8 @@ from ._types import is_int
 __all__ = [
     "DispatchContext", "Path", "STAGES", "select", "plan", "explain", "force_paths", "clear_plan_cache",
     "has_cuda", "has_fp8_mma", "has_pdl", "has_triton", "is_gfx950",
-    "PDL_MODE", "PDL_MODES", "pdl_mode", "pdl_scope", "pdl_policy", "shared_overlap_policy", "shared_fork_policy", "SHARED_FORK_POINTS",
+    "PDL_MODE", "PDL_MODES", "pdl_mode", "pdl_scope", "pdl_policy", "shared_overlap_policy", "shared_fork_policy",
+    "SHARED_FORK_POINTS",
     "shared_prefetch_policy", "SHARED_PREFETCH_POINTS",
     "side_stream_scope", "on_side_stream", "side_stream_split_k", "shared_split_policy",
 ]
@@ -557,7 +558,6 @@ def force_paths(**paths: str):
 
 def forced_paths() -> dict[str, str]:
     return dict(_FORCED.get())
-
 
 
 # --------------------------------------------------------------------------- choosing

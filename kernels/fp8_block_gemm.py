@@ -46,7 +46,8 @@ FAST_PREFILL_IMPRECISE = 128
 
 
 # M = 1 runs the CUDA-core GEMV body (GEMV=True) with BLOCK_N 64; when split (the rule
-# below at ~8 programs per SM says so) two K blocks per program (see choose_config). NOTE: measured on the H200 (scripts/gpu_probe_fp8_gemv.py,
+# below at ~8 programs per SM says so) two K blocks per program (see choose_config).
+# NOTE: measured on the H200 (scripts/gpu_probe_fp8_gemv.py,
 # docs/bench/2026-11-29/session2/probe_fp8_gemv.json, CUDA graphs): at M = 1 it beats the
 # 16-row mma.sync body on all six V4 shapes (Flash gate_up 9.6 -> 7.7 us, down 7.5 ->
 # 5.8, Pro-TP8 down 4.5 -> 4.0, Pro-TP1 gate_up 17.3 -> 15.5, down 12.5 -> 8.9; Pro-TP8
@@ -256,8 +257,8 @@ def fp8_block_gemm_nt(q: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, sw: to
         raise ValueError(f"{fn}: split_k={split_k!r}, expected None or an int >= 1")
     if m == 0:
         return out
-    cfg = dict(config) if config is not None else choose_config(m, n, k, overlapped=overlapped,
-                                                                     split_k_programs_per_sm=split_k_programs_per_sm)
+    cfg = dict(config) if config is not None else choose_config(
+        m, n, k, overlapped=overlapped, split_k_programs_per_sm=split_k_programs_per_sm)
     if split_k is not None:
         cfg["SPLIT_K"] = split_k
     sk = cfg.get("SPLIT_K", 1)

@@ -1,8 +1,9 @@
-"""Probe (session 40): the shared expert's FP8 GEMM at mid M (16 < M <= 128) on mma.sync row
-blocks of 16 or 32 (kernels.fp8_block_gemm.MID_M_BLOCK_M), split over K or not
-(SPLIT_K_WIDE_PROGRAMS_PER_SM), against the default 64-row wgmma tiles: the time of each alone
-(L2-warm weights: a ranking, not a layer figure), the share of bf16 outputs off the fp64-summed
-result, and split == unsplit bitwise for the same row block.
+"""Probe (session 40): the shared expert's FP8 GEMM at mid M on choose_config's tiles with the row
+block forced (a variant BM:pps sets kernels.fp8_block_gemm.MID_M_BLOCK_M and _LARGE to BM and lifts
+the mid-M rule's M / N / K limits, so every shape given takes BM-row blocks: 16 and 32 on mma.sync, 64
+the wgmma tiles; pps > 0 splits over K at ~pps programs per SM, SPLIT_K_WIDE_PROGRAMS_PER_SM), or a
+forced tile config: the time of each alone (L2-warm weights: a ranking, not a layer figure), the share
+of bf16 outputs off the fp64-summed result, and split == unsplit bitwise for the same row block.
 
     python3 scripts/gpu_probe_mid_m.py [--variants 64:0,16:0,32:0,16:2,32:2]
     python3 scripts/gpu_probe_mid_m.py --shapes 64x4096x4096 --forced 64x64x4x4,16x64x4x6  # BMxBNxWARPSxSTAGES
@@ -14,17 +15,13 @@ import argparse
 import torch
 
 from dsv4_moe.kernels import fp8_block_gemm as F
+from gpu_probe_wide_split import _inputs, _time_us  # scripts/ is on sys.path when this script runs
 
+# the mid-M rule's limits lifted for the variants (restored after each)
+FORCE = dict(MID_M_BLOCK_M=None, MID_M_BLOCK_M_LARGE=None, MID_M_MAX=1 << 30, MID_M_MAX_N=1 << 30,
+             MID_M_MIN_KB=0, SPLIT_K_WIDE_PROGRAMS_PER_SM=0)
 SHAPES = [  # (M, N, K): Pro-TP8 shared gate_up and down, Flash shared gate_up
     (32, 768, 7168), (64, 768, 7168), (128, 768, 7168), (64, 7168, 384), (64, 4096, 4096)]
-
-
-def _inputs(m, n, k, g):
-    q = (torch.randn(m, k, generator=g) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
-    w = (torch.randn(n, k, generator=g) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
-    sa = torch.exp2(torch.randint(-12, -4, (m, -(-k // 128)), generator=g).float())
-    sw = torch.randint(110, 125, (-(-n // 128), -(-k // 128)), generator=g).to(torch.uint8)
-    return [t.cuda() for t in (q, sa, w, sw)]
 
 
 def _exact(q, sa, w, sw):
@@ -33,24 +30,6 @@ def _exact(q, sa, w, sw):
     sa64 = sa.double().repeat_interleave(128, 1)[:, :k]
     swf = torch.exp2(sw.double() - 127).repeat_interleave(128, 0)[:w.shape[0]].repeat_interleave(128, 1)[:, :k]
     return ((q.double() * sa64) @ (w.double() * swf).T).to(torch.bfloat16)
-
-
-def _time_us(fn, reps=200):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(10):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(reps // 10):
-        g.replay()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) * 1e3 / reps
 
 
 def main() -> int:
@@ -71,13 +50,18 @@ def main() -> int:
         exact = _exact(q, sa, w, sw)
         unsplit = {}
         for bm, pps in variants:
-            F.MID_M_BLOCK_M, F.SPLIT_K_WIDE_PROGRAMS_PER_SM = bm, pps
+            saved = {a: getattr(F, a) for a in FORCE}
+            for a, v in FORCE.items():
+                setattr(F, a, v)
+            F.MID_M_BLOCK_M = F.MID_M_BLOCK_M_LARGE = bm
+            F.SPLIT_K_WIDE_PROGRAMS_PER_SM = pps
             try:
                 split = F.choose_config(m, n, k)["SPLIT_K"]
                 out = F.fp8_block_gemm_nt(q, sa, w, sw)
                 t = _time_us(lambda: F.fp8_block_gemm_nt(q, sa, w, sw))
             finally:
-                F.MID_M_BLOCK_M, F.SPLIT_K_WIDE_PROGRAMS_PER_SM = 64, 0
+                for a, v in saved.items():
+                    setattr(F, a, v)
             off = (out.view(torch.int16) != exact.view(torch.int16)).double().mean().item() * 100
             same = ""
             if split == 1:

@@ -123,8 +123,8 @@ def test_down_on_swiglu_quant_codes(m, n, k):
 
 
 def test_float32_weight_scales_and_forced_config():
-    check(20, 256, 256, sw_dtype=torch.float32, config=dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=2, num_warps=4,
-                                                           num_stages=2))
+    check(20, 256, 256, sw_dtype=torch.float32,
+          config=dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=2, num_warps=4, num_stages=2))
     check(20, 256, 1024, config=dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=2, num_warps=4, num_stages=2, SPLIT_K=3))
 
 

@@ -348,4 +348,3 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m dsv4_moe bench
         why = report.write_plot(args.plot, b.rows, hw, title)
         print(f"# plot: {args.plot}" if why is None else f"# plot skipped: {why}")
     return 0
-
