@@ -1,6 +1,6 @@
 """The text of `DeepseekV4MoE.explain(num_tokens)`: each stage's path and why, the shared
-expert's stream, fork and L2 prefetch, SPEC §5.3's fused heterogeneous MoE, and the routed
-MXFP4 GEMM bodies for a token count. Functions of the layer; nothing here launches or
+expert's stream, fork and L2 prefetch, SPEC §5.3's fused heterogeneous MoE, the routed
+MXFP4 GEMM bodies and the shared FP8 GEMM tiles for a token count. Functions of the layer; nothing here launches or
 allocates on a device (the layer's policies are asked, as its forward asks them)."""
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def explain(layer, num_tokens: int) -> str:
                      if dispatch.PDL_MODE == "auto"
                      else (dispatch.PDL_MODE, "dispatch.PDL_MODE"))
         head += f"\nprogrammatic dependent launch: {mode} ({why})"
-    return head + "\n" + dispatch.explain(layer.context(num_tokens)) + gemm_plan(layer, num_tokens)
+    return (head + "\n" + dispatch.explain(layer.context(num_tokens)) + gemm_plan(layer, num_tokens)
+            + shared_gemm_plan(layer, num_tokens))
 
 
 def shared_line(layer, num_tokens: int) -> str:
@@ -134,6 +135,32 @@ def gemm_plan(layer, num_tokens: int) -> str:
                     "the fp32 partial crosses ranks before the finalize's rounding") + ")")
     return (f"\n  routed GEMMs ({routes / layer.num_local_experts:.3g} routes per local expert): "
             + "; ".join(parts) + f"\n  between them: {between}" + after)
+
+
+def shared_gemm_plan(layer, num_tokens: int) -> str:
+    """The shared expert's two FP8 GEMM tiles for this T (kernels.fp8_block_gemm.choose_config, with
+    the side stream's settings where the shared expert overlaps), when fp8_gemm takes the Triton path;
+    empty otherwise."""
+    if num_tokens < 1 or dispatch.select("fp8_gemm", layer.context(num_tokens)).name != "triton":
+        return ""
+    from .kernels.fp8_block_gemm import choose_config
+
+    c = layer.config
+    i = c.local_intermediate(layer.tp_size)
+    side = layer.shared_overlap(num_tokens)[0]
+    split = dispatch.shared_split_policy(num_tokens, i)[0] if side else None
+    parts = []
+    for gemm, (n, k) in (("gate_up", (2 * i, c.hidden_size)), ("down", (c.hidden_size, i))):
+        cfg = choose_config(num_tokens, n, k, overlapped=side, split_k_programs_per_sm=split)
+        if cfg.get("GEMV"):
+            body = "CUDA-core GEMV"
+        else:
+            body = (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} "
+                    + ("mma.sync" if cfg["BLOCK_M"] < 64 else f"wgmma (fp32 promotion every {cfg['IMPRECISE']} K)"))
+        sk = cfg.get("SPLIT_K", 1)
+        parts.append(f"{gemm} [{num_tokens} x {n} x {k}] {body}, "
+                     + (f"exact split-K over {sk} K-block groups" if sk > 1 else "one pass"))
+    return "\n  shared FP8 GEMMs: " + "; ".join(parts)
 
 
 def layout_hint(layer) -> str:

@@ -24,7 +24,8 @@ def layers():
 
 def _x(t, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(t, CFG.hidden_size, generator=g).to(torch.bfloat16), torch.randint(0, CFG.vocab_size, (t,), generator=g)
+    x = torch.randn(t, CFG.hidden_size, generator=g).to(torch.bfloat16)
+    return x, torch.randint(0, CFG.vocab_size, (t,), generator=g)
 
 
 @pytest.mark.parametrize("li", [0, 1], ids=["hash_layer", "topk_layer"])
@@ -148,6 +149,34 @@ def test_explain_routed_gemm_plan(monkeypatch):
     assert "per-128-block scaling (DSV4_MOE_FOLD_SWAP=0)" in layer.explain(16)
     up, down = rx.routed_configs(256 * CFG.num_experts_per_tok, layer.routed)  # unfolded swaps: the tile
     assert up.kind == "tile" and "(one MMA chain over K), 168-register cap" in layer.explain(256), layer.explain(256)
+
+
+def test_explain_shared_gemm_plan(monkeypatch):
+    """explain()'s shared FP8 GEMM line (when fp8_gemm takes the Triton path; planning launches
+    nothing, so it runs on the CPU with the choice forced): each GEMM's shape and the tile
+    choose_config gives it, with the side stream's settings where the shared expert overlaps."""
+    import types
+
+    from dsv4_moe.kernels import fp8_block_gemm as F
+
+    layer = DeepseekV4MoE(CFG, random_layer_weights(CFG, layer_idx=1))
+    h, i = CFG.hidden_size, CFG.local_intermediate(1)
+    assert "shared FP8 GEMMs" not in layer.explain(4)      # the CPU takes the reference path
+    select = dispatch.select
+    monkeypatch.setattr(dispatch, "select", lambda stage, ctx, *a, **k: types.SimpleNamespace(name="triton")
+                        if stage == "fp8_gemm" else select(stage, ctx, *a, **k))
+    assert f"shared FP8 GEMMs: gate_up [1 x {2 * i} x {h}] CUDA-core GEMV, one pass" in layer.explain(1)
+    assert f"down [4 x {h} x {i}] 16x64 mma.sync, one pass" in layer.explain(4)
+    text = layer.explain(64)
+    assert f"gate_up [64 x {2 * i} x {h}] 64x64 wgmma (fp32 promotion every 32 K), one pass" in text, text
+    monkeypatch.setattr(F, "MID_M_MIN_KB", 0)               # the tiny K of this layer passes the rule
+    assert f"gate_up [64 x {2 * i} x {h}] 16x64 mma.sync, one pass" in layer.explain(64)
+    monkeypatch.setattr(layer, "shared_overlap", lambda t: (True, "on a side stream"))   # as on CUDA
+    cfg = F.choose_config(2, 2 * i, h, overlapped=True, split_k_programs_per_sm=dispatch.shared_split_policy(2, i)[0])
+    assert f"gate_up [2 x {2 * i} x {h}] 16x64 mma.sync, " + (
+        f"exact split-K over {cfg['SPLIT_K']} K-block groups" if cfg["SPLIT_K"] > 1 else "one pass") in layer.explain(2)
+    monkeypatch.setattr(F, "SPLIT_K_MIN_KB", 1)             # this layer's K = 2 blocks may split
+    assert f"gate_up [2 x {2 * i} x {h}] 16x64 mma.sync, exact split-K over 2 K-block groups" in layer.explain(2)
 
 
 def test_explain_router_sub_choices(monkeypatch):
@@ -336,7 +365,8 @@ def test_shared_fork_switch(monkeypatch):
     pro = DeepseekV4MoE(cfg.replace(moe_intermediate_size=384), random_layer_weights(
         cfg.replace(moe_intermediate_size=384), layer_idx=1, seed=1))
     monkeypatch.setattr(pro, "shared_overlap", lambda t: (True, "on a side stream"))
-    assert [pro._shared_fork(t) for t in (1, 2, 3, 4, 8, 9)] == ["front", "logits", "front", "logits", "logits", "front"]
+    forks = [pro._shared_fork(t) for t in (1, 2, 3, 4, 8, 9)]
+    assert forks == ["front", "logits", "front", "logits", "logits", "front"]
     assert "forked after the router's logits launch (on the quant_in_logits front; else after the front) " \
            "(T = 2, I = 384: shared expert forked after the router's logits launch" in _explain.shared_line(pro, 2)
 
@@ -517,7 +547,8 @@ def test_input_ids_checked_on_every_layer(layers):
     ValueError (engines pass the ids to every layer)."""
     x, ids = _x(4)
     for bad in (torch.tensor([0, 1, -1, 2]), torch.tensor([0, CFG.vocab_size, 1, 2], dtype=torch.int32)):
-        with pytest.raises(ValueError, match=rf"input_ids: ids in \[-?\d+, \d+\], expected \[0, vocab_size={CFG.vocab_size}\)"):
+        with pytest.raises(ValueError,
+                           match=rf"input_ids: ids in \[-?\d+, \d+\], expected \[0, vocab_size={CFG.vocab_size}\)"):
             layers[0](x, bad)
     for li in (0, 1):
         with pytest.raises(TypeError, match="input_ids must be a torch.Tensor"):
