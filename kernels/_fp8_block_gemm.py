@@ -66,12 +66,8 @@ def _e8m0_to_f32(b):
 
 
 @triton.jit
-def _block_partial(a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, kb, K, stride_sak, stride_sbk,
-                   SB_E8M0: tl.constexpr, EVEN_K: tl.constexpr, IMPRECISE: tl.constexpr):
-    """v[BM, BN] = dot(q block kb, w block kb) * sa[:, kb] * sw[:, kb] (fp32).
-
-    a_ptrs / b_ptrs point at K block 0; the block offset is added here.
-    """
+def _block_dot(a_ptrs, b_ptrs, kb, K, EVEN_K: tl.constexpr, IMPRECISE: tl.constexpr):
+    """dot(q block kb, w block kb) in fp32; a_ptrs / b_ptrs point at K block 0."""
     offs_k = tl.arange(0, 128)
     if EVEN_K:
         a = tl.load(a_ptrs + kb * 128)
@@ -80,11 +76,28 @@ def _block_partial(a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, kb, K, stride_sak, stride_s
         k_left = K - kb * 128
         a = tl.load(a_ptrs + kb * 128, mask=offs_k[None, :] < k_left, other=0.0)
         b = tl.load(b_ptrs + kb * 128, mask=offs_k[:, None] < k_left, other=0.0)
-    partial = tl.dot(a, b, max_num_imprecise_acc=IMPRECISE)
+    return tl.dot(a, b, max_num_imprecise_acc=IMPRECISE)
+
+
+@triton.jit
+def _block_scales(sa_ptrs, sb_ptrs, kb, stride_sak, stride_sbk, SB_E8M0: tl.constexpr):
+    """(sa[:, kb], sw[:, kb]) as fp32 (sb_ptrs: one pointer per column, or a scalar pointer)."""
     sa = tl.load(sa_ptrs + kb * stride_sak)
     sb = tl.load(sb_ptrs + kb * stride_sbk)
     if SB_E8M0:
         sb = _e8m0_to_f32(sb)
+    return sa, sb
+
+
+@triton.jit
+def _block_partial(a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, kb, K, stride_sak, stride_sbk,
+                   SB_E8M0: tl.constexpr, EVEN_K: tl.constexpr, IMPRECISE: tl.constexpr):
+    """v[BM, BN] = dot(q block kb, w block kb) * sa[:, kb] * sw[:, kb] (fp32).
+
+    a_ptrs / b_ptrs point at K block 0; the block offset is added here.
+    """
+    partial = _block_dot(a_ptrs, b_ptrs, kb, K, EVEN_K, IMPRECISE)
+    sa, sb = _block_scales(sa_ptrs, sb_ptrs, kb, stride_sak, stride_sbk, SB_E8M0)
     return partial * sa[:, None] * sb[None, :]
 
 
@@ -99,6 +112,7 @@ def _fp8_block_gemm_kernel(
     SB_E8M0: tl.constexpr, EVEN_K: tl.constexpr, IMPRECISE: tl.constexpr, SOFTWARE: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
+    SCALE_PREFETCH: tl.constexpr = False,  # fp8_block_gemm.SCALE_PREFETCH (see there)
 ):
     pdl_enter(PDL)
     pid = tl.program_id(0)
@@ -123,7 +137,40 @@ def _fp8_block_gemm_kernel(
     sb_ptrs = sb_ptr + (bn // 128) * stride_sbn
     out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
 
-    if SPLIT:
+    if SCALE_PREFETCH:
+        # Each block's scales are loaded one K step ahead, so their latency hides behind the
+        # previous block's MMAs instead of following them (the same values, the same products);
+        # a tile of <= 128 columns lies inside one 128-row weight block: one scalar sw per block.
+        if BLOCK_N <= 128:
+            sb_ptrs = sb_ptr + ((pid_n * BLOCK_N) % N // 128).to(tl.int64) * stride_sbn
+        if SPLIT:
+            kb_lo = tl.program_id(1) * kb_per_split
+            kb_hi = min(kb_lo + kb_per_split, num_kb)
+        else:
+            kb_lo = 0
+            kb_hi = num_kb
+        sa_n, sb_n = _block_scales(sa_ptrs, sb_ptrs, kb_lo, stride_sak, stride_sbk, SB_E8M0)
+        ws_ptrs = (ws_ptr + (kb_lo.to(tl.int64) * M) * N
+                   + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :])
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(kb_lo, kb_hi):
+            sa_c, sb_c = sa_n, sb_n
+            sa_n, sb_n = _block_scales(sa_ptrs, sb_ptrs, min(kb + 1, kb_hi - 1), stride_sak, stride_sbk, SB_E8M0)
+            partial = _block_dot(a_ptrs, b_ptrs, kb, K, EVEN_K, IMPRECISE)
+            if BLOCK_N <= 128:
+                v = partial * sa_c[:, None] * sb_c
+            else:
+                v = partial * sa_c[:, None] * sb_c[None, :]
+            if SPLIT:
+                tl.store(ws_ptrs, v, mask=out_mask)
+                ws_ptrs += M * N
+            else:
+                acc = acc + v
+        if not SPLIT:
+            c = round_to_bf16(acc, SOFTWARE).to(tl.bfloat16)
+            c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+            tl.store(c_ptrs, c, mask=out_mask)
+    elif SPLIT:
         # Phase 1: the scaled partials of K blocks [kb_lo, kb_hi) -> ws[kb, m, n].
         kb_lo = tl.program_id(1) * kb_per_split
         kb_hi = min(kb_lo + kb_per_split, num_kb)
@@ -307,7 +354,8 @@ def launch_fp8_block_gemm(q_u8, sa, w_u8, sw, out, cfg: dict, interpreting: bool
             a, sa, b, sw, out, ws, m, n, k, num_kb, kb_per,
             a.stride(0), b.stride(0), sa.stride(0), sa.stride(1), sw.stride(0), sw.stride(1), out.stride(0),
             SB_E8M0=sb_e8m0, EVEN_K=(k % 128 == 0), IMPRECISE=cfg.get("IMPRECISE", 32), SOFTWARE=interpreting,
-            SPLIT=split_k > 1, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), **extra, **pdl,
+            SPLIT=split_k > 1, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8),
+            SCALE_PREFETCH=bool(cfg.get("SCALE_PREFETCH", False)), **extra, **pdl,
         )
     if split_k > 1 and not fixup:
         extra2 = {} if interpreting else dict(num_warps=SUM_BLOCK // 128, num_stages=1, enable_fp_fusion=False)

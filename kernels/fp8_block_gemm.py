@@ -66,6 +66,15 @@ _GEMV_PROGRAMS_PER_SM = 8
 # True / False): Pro-TP8 T=1 33.0 / 79.5, Flash T=1 55.7 / 83.8 - the unsplit GEMV is far too
 # slow beside the routed experts, so True stays.
 OVERLAPPED_GEMV_SPLIT = True
+# A/B switch (session 40, off by default; not yet timed on the GPU): the MMA tiles (M >= 2) load each
+# K block's two scales one K step ahead. Why: the sm_90a SASS of the K loop (compiled offline, the
+# 64 x 64 wgmma and 16 x 64 mma.sync tiles, session 40) issues the scale loads (LDG: sa per row, sw
+# per column as 16 byte loads per thread) inside the iteration that consumes them - in the mma.sync
+# loop after most of its HMMAs - while the operand tiles arrive by cp.async 4 stages ahead; the GEMMs
+# take ~0.5 us per K block per program at every tile (scripts/gpu_probe_mid_m.py), about one L2/DRAM
+# round trip. With it a tile of <= 128 columns loads one scalar sw per block (its columns share it).
+# The same products in the same order: the same bits (tests/test_kernels_fp8_gemm.py).
+SCALE_PREFETCH = False
 # A/B switch (session 39, off by default): split the 64-row tiles (M > 16) over K, to about this
 # many programs per SM, when their tiles leave SMs idle - ignoring SPLIT_K_MAX_WS_FRACTION (at
 # Pro-TP8's shared gate_up, M = 64: 12 tiles of 64 x 64 each streaming K = 7168; the workspace
@@ -261,6 +270,7 @@ def fp8_block_gemm_nt(q: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, sw: to
         m, n, k, overlapped=overlapped, split_k_programs_per_sm=split_k_programs_per_sm)
     if split_k is not None:
         cfg["SPLIT_K"] = split_k
+    cfg.setdefault("SCALE_PREFETCH", SCALE_PREFETCH)
     sk = cfg.get("SPLIT_K", 1)
     if not is_int(sk) or sk < 1:
         raise ValueError(f"{fn}: config SPLIT_K={sk!r}, expected an int >= 1")

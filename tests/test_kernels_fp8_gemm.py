@@ -234,6 +234,28 @@ def test_mid_m_row_blocks_vs_reference(monkeypatch, bm):
     assert torch.equal(split.view(torch.int16), got.view(torch.int16))
 
 
+@pytest.mark.parametrize("m,n,k,config,split_k,sw_dtype", [
+    (20, 256, 1024, None, None, torch.float8_e8m0fnu), (20, 256, 1024, None, 3, torch.float8_e8m0fnu),
+    (40, 200, 300, None, 2, torch.float8_e8m0fnu), (70, 640, 384, None, None, torch.float32),
+    (33, 384, 512, dict(BLOCK_M=16, BLOCK_N=128, GROUP_M=1, num_warps=4, num_stages=2), None, torch.float8_e8m0fnu),
+    (33, 384, 512, dict(BLOCK_M=16, BLOCK_N=256, GROUP_M=1, num_warps=4, num_stages=2), 2, torch.float32)])
+def test_scale_prefetch_same_bits(monkeypatch, m, n, k, config, split_k, sw_dtype):
+    """fp8_block_gemm.SCALE_PREFETCH (A/B switch, off by default): the scales loaded one K step
+    ahead (one scalar weight scale per block for tiles of <= 128 columns) give the same bits as the
+    default loop, single pass and split, whole and partial K blocks, e8m0 and fp32 weight scales,
+    tiles wider than one 128-block; and stay within the reference's bound."""
+    from dsv4_moe.kernels import fp8_block_gemm as F
+
+    q, sa, w, sw = make_case(m, n, k, seed=m + n + k, sw_dtype=sw_dtype)
+    args = (q.to(DEV), sa.to(DEV), w.to(DEV), sw.to(DEV))
+    base = fp8_block_gemm_nt(*args, config=dict(config) if config else None, split_k=split_k).cpu()
+    monkeypatch.setattr(F, "SCALE_PREFETCH", True)
+    got = fp8_block_gemm_nt(*args, config=dict(config) if config else None, split_k=split_k).cpu()
+    assert torch.equal(got.view(torch.int16), base.view(torch.int16))
+    cfg = dict(config) if config else choose_config(m, n, k)
+    assert_near_reference(got, ref.fp8_gemm(q, sa, w, sw), (q, sa, w, sw), cfg, f"prefetch M={m} N={n} K={k}")
+
+
 def test_choose_split_k_workspace_crossover():
     # Workspace 4*KB*M*N bytes vs weights N*K: (M / 32) x; allowed up to 1/8 -> M <= 4.
     n, k = 4096, 4096
