@@ -7,6 +7,7 @@ of bf16 outputs off the fp64-summed result, and split == unsplit bitwise for the
 
     python3 scripts/gpu_probe_mid_m.py [--variants 64:0,16:0,32:0,16:2,32:2]
     python3 scripts/gpu_probe_mid_m.py --shapes 64x4096x4096 --forced 64x64x4x4,16x64x4x6  # BMxBNxWARPSxSTAGES
+    python3 scripts/gpu_probe_mid_m.py --prefetch   # the same with fp8_block_gemm.SCALE_PREFETCH on
 """
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ def main() -> int:
                    help="BLOCK_M:split-K programs per SM, comma-separated")
     p.add_argument("--shapes", default="", help="MxNxK,... (default: the built-in list)")
     p.add_argument("--forced", default="", help="forced tile configs BMxBNxWARPSxSTAGES,... (each after the variants)")
+    p.add_argument("--prefetch", action="store_true", help="every run with fp8_block_gemm.SCALE_PREFETCH on")
     args = p.parse_args()
+    F.SCALE_PREFETCH = args.prefetch
     variants = [tuple(int(x) for x in v.split(":")) for v in args.variants.split(",") if v]
     forced = [tuple(int(x) for x in v.split("x")) for v in args.forced.split(",") if v]
     shapes = [tuple(int(x) for x in v.split("x")) for v in args.shapes.split(",") if v] or SHAPES
