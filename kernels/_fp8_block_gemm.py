@@ -66,6 +66,18 @@ def _e8m0_to_f32(b):
 
 
 @triton.jit
+def _k_range(num_kb, kb_per_split, SPLIT: tl.constexpr):
+    """The program's K blocks [kb_lo, kb_hi): its split's run (grid axis 1), or all of them."""
+    if SPLIT:
+        kb_lo = tl.program_id(1) * kb_per_split
+        kb_hi = min(kb_lo + kb_per_split, num_kb)
+    else:
+        kb_lo = 0
+        kb_hi = num_kb
+    return kb_lo, kb_hi
+
+
+@triton.jit
 def _block_dot(a_ptrs, b_ptrs, kb, K, EVEN_K: tl.constexpr, IMPRECISE: tl.constexpr):
     """dot(q block kb, w block kb) in fp32; a_ptrs / b_ptrs point at K block 0."""
     offs_k = tl.arange(0, 128)
@@ -143,12 +155,7 @@ def _fp8_block_gemm_kernel(
         # a tile of <= 128 columns lies inside one 128-row weight block: one scalar sw per block.
         if BLOCK_N <= 128:
             sb_ptrs = sb_ptr + ((pid_n * BLOCK_N) % N // 128).to(tl.int64) * stride_sbn
-        if SPLIT:
-            kb_lo = tl.program_id(1) * kb_per_split
-            kb_hi = min(kb_lo + kb_per_split, num_kb)
-        else:
-            kb_lo = 0
-            kb_hi = num_kb
+        kb_lo, kb_hi = _k_range(num_kb, kb_per_split, SPLIT)
         sa_n, sb_n = _block_scales(sa_ptrs, sb_ptrs, kb_lo, stride_sak, stride_sbk, SB_E8M0)
         ws_ptrs = (ws_ptr + (kb_lo.to(tl.int64) * M) * N
                    + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :])
@@ -221,12 +228,7 @@ def _fp8_gemv_kernel(
     sb_ptrs = sb_ptr + (bn // 128) * stride_sbn
     sa_ptr_m = sa_ptr + m.to(tl.int64) * stride_sam
     n_ok = offs_n < N
-    if SPLIT:
-        kb_lo = tl.program_id(1) * kb_per_split
-        kb_hi = min(kb_lo + kb_per_split, num_kb)
-    else:
-        kb_lo = 0
-        kb_hi = num_kb
+    kb_lo, kb_hi = _k_range(num_kb, kb_per_split, SPLIT)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if KB_VEC > 0:
         # NOTE (session 7): the runtime-bound loop below is not software-pipelined by Triton
