@@ -66,15 +66,23 @@ _GEMV_PROGRAMS_PER_SM = 8
 # True / False): Pro-TP8 T=1 33.0 / 79.5, Flash T=1 55.7 / 83.8 - the unsplit GEMV is far too
 # slow beside the routed experts, so True stays.
 OVERLAPPED_GEMV_SPLIT = True
-# A/B switch (session 40, off by default; not yet timed on the GPU): the MMA tiles (M >= 2) load each
-# K block's two scales one K step ahead. Why: the sm_90a SASS of the K loop (compiled offline, the
-# 64 x 64 wgmma and 16 x 64 mma.sync tiles, session 40) issues the scale loads (LDG: sa per row, sw
-# per column as 16 byte loads per thread) inside the iteration that consumes them - in the mma.sync
-# loop after most of its HMMAs - while the operand tiles arrive by cp.async 4 stages ahead; the GEMMs
-# take ~0.5 us per K block per program at every tile (scripts/gpu_probe_mid_m.py), about one L2/DRAM
-# round trip. With it a tile of <= 128 columns loads one scalar sw per block (its columns share it).
-# The same products in the same order: the same bits (tests/test_kernels_fp8_gemm.py).
-SCALE_PREFETCH = False
+# On by default since session 41 (built session 40): the MMA tiles (M >= 2) load each K block's two
+# scales one K step ahead. Why: the sm_90a SASS of the K loop (compiled offline, the 64 x 64 wgmma
+# and 16 x 64 mma.sync tiles, session 40) issues the scale loads (LDG: sa per row, sw per column as
+# 16 byte loads per thread) inside the iteration that consumes them - in the mma.sync loop after most
+# of its HMMAs - while the operand tiles arrive by cp.async 4 stages ahead; the GEMMs took ~0.5 us per
+# K block per program at every tile (scripts/gpu_probe_mid_m.py), about one L2/DRAM round trip. With
+# it a tile of <= 128 columns loads one scalar sw per block (its columns share it). The same products
+# in the same order: the same bits (tests/test_kernels_fp8_gemm.py, natively on the H200 too).
+# NOTE (session 41, H200; docs/bench/2026-12-01/session41/): alone (gpu_probe_mid_m.py, L2-warm, us,
+# False / True) Pro-TP8 gate_up M=8 19.1 / 17.0, M=64 (16-row) 19.2 / 17.1, M=512 34.5 / 31.8,
+# M=4096 137.7 / 126.7; Flash gate_up M=64 15.7 / 13.5, M=4096 322.4 / 281.5 (the 64 x 128 tile at
+# 255 registers does not spill); down M=8 2.8 / 2.6. In the layer (gpu_profile_layer.py --ab, 4
+# weight sets, median of 3 interleaved captures, output bitwise the same): Pro-TP8 T=8 92.0 / 91.8,
+# T=512 685.6 / 680.9, T=1024 844.1 / 840.4, T=32-256 level; Flash T=64 876.9 / 870.6, T=256
+# 1238.3 / 1231.5, T=1024 1690.0 / 1669.9; the layer bench at T=8192: Pro-TP8 3192.5 / 3146.4,
+# Flash 7482.8 / 7352.9. The shared expert is a small part of the layer, so ~1 %.
+SCALE_PREFETCH = True
 # A/B switch (session 39, off by default): split the 64-row tiles (M > 16) over K, to about this
 # many programs per SM, when their tiles leave SMs idle - ignoring SPLIT_K_MAX_WS_FRACTION (at
 # Pro-TP8's shared gate_up, M = 64: 12 tiles of 64 x 64 each streaming K = 7168; the workspace

@@ -240,7 +240,7 @@ def test_mid_m_row_blocks_vs_reference(monkeypatch, bm):
     (33, 384, 512, dict(BLOCK_M=16, BLOCK_N=128, GROUP_M=1, num_warps=4, num_stages=2), None, torch.float8_e8m0fnu),
     (33, 384, 512, dict(BLOCK_M=16, BLOCK_N=256, GROUP_M=1, num_warps=4, num_stages=2), 2, torch.float32)])
 def test_scale_prefetch_same_bits(monkeypatch, m, n, k, config, split_k, sw_dtype):
-    """fp8_block_gemm.SCALE_PREFETCH (A/B switch, off by default): the scales loaded one K step
+    """fp8_block_gemm.SCALE_PREFETCH (on by default since session 41): the scales loaded one K step
     ahead (one scalar weight scale per block for tiles of <= 128 columns) give the same bits as the
     default loop, single pass and split, whole and partial K blocks, e8m0 and fp32 weight scales,
     tiles wider than one 128-block; and stay within the reference's bound."""
@@ -248,6 +248,7 @@ def test_scale_prefetch_same_bits(monkeypatch, m, n, k, config, split_k, sw_dtyp
 
     q, sa, w, sw = make_case(m, n, k, seed=m + n + k, sw_dtype=sw_dtype)
     args = (q.to(DEV), sa.to(DEV), w.to(DEV), sw.to(DEV))
+    monkeypatch.setattr(F, "SCALE_PREFETCH", False)
     base = fp8_block_gemm_nt(*args, config=dict(config) if config else None, split_k=split_k).cpu()
     monkeypatch.setattr(F, "SCALE_PREFETCH", True)
     got = fp8_block_gemm_nt(*args, config=dict(config) if config else None, split_k=split_k).cpu()
