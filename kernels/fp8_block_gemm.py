@@ -83,6 +83,12 @@ OVERLAPPED_GEMV_SPLIT = True
 # 1238.3 / 1231.5, T=1024 1690.0 / 1669.9; the layer bench at T=8192: Pro-TP8 3192.5 / 3146.4,
 # Flash 7482.8 / 7352.9. The shared expert is a small part of the layer, so ~1 %.
 SCALE_PREFETCH = True
+# A/B switch (session 41, off by default until timed): the GEMV body (M = 1) loads its K blocks'
+# scales before it sums their products. Why: written after the sum, the sm_90a SASS of the split
+# GEMV (KB_VEC, compiled offline) issued the scale LDGs after the whole product reduction - a second
+# memory round trip per program after the operands' - and before it they issue with the operands'.
+# The same values and products: the same bits.
+GEMV_EARLY_SCALES = False
 # A/B switch (session 39, off by default): split the 64-row tiles (M > 16) over K, to about this
 # many programs per SM, when their tiles leave SMs idle - ignoring SPLIT_K_MAX_WS_FRACTION (at
 # Pro-TP8's shared gate_up, M = 64: 12 tiles of 64 x 64 each streaming K = 7168; the workspace
@@ -279,6 +285,7 @@ def fp8_block_gemm_nt(q: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, sw: to
     if split_k is not None:
         cfg["SPLIT_K"] = split_k
     cfg.setdefault("SCALE_PREFETCH", SCALE_PREFETCH)
+    cfg.setdefault("GEMV_EARLY_SCALES", GEMV_EARLY_SCALES)
     sk = cfg.get("SPLIT_K", 1)
     if not is_int(sk) or sk < 1:
         raise ValueError(f"{fn}: config SPLIT_K={sk!r}, expected an int >= 1")

@@ -8,6 +8,9 @@ of bf16 outputs off the fp64-summed result, and split == unsplit bitwise for the
     python3 scripts/gpu_probe_mid_m.py [--variants 64:0,16:0,32:0,16:2,32:2]
     python3 scripts/gpu_probe_mid_m.py --shapes 64x4096x4096 --forced 64x64x4x4,16x64x4x6  # BMxBNxWARPSxSTAGES
     python3 scripts/gpu_probe_mid_m.py --prefetch   # the same with fp8_block_gemm.SCALE_PREFETCH on
+    python3 scripts/gpu_probe_mid_m.py --variants 64:0 --shapes 1x768x7168 \
+        --set dsv4_moe.kernels.fp8_block_gemm.GEMV_EARLY_SCALES=1   # any module constant (as bench_layer.py)
+Since session 41 SCALE_PREFETCH is on by default: `--prefetch` forces it on, `--no-prefetch` off.
 """
 from __future__ import annotations
 
@@ -40,8 +43,16 @@ def main() -> int:
     p.add_argument("--shapes", default="", help="MxNxK,... (default: the built-in list)")
     p.add_argument("--forced", default="", help="forced tile configs BMxBNxWARPSxSTAGES,... (each after the variants)")
     p.add_argument("--prefetch", action="store_true", help="every run with fp8_block_gemm.SCALE_PREFETCH on")
+    p.add_argument("--no-prefetch", action="store_true", help="every run with fp8_block_gemm.SCALE_PREFETCH off")
+    p.add_argument("--set", action="append", default=[], help="MODULE.ATTR=V (repeatable), as bench_layer.py")
     args = p.parse_args()
-    F.SCALE_PREFETCH = args.prefetch
+    if args.prefetch and args.no_prefetch:
+        p.error("--prefetch and --no-prefetch exclude each other")
+    if args.prefetch or args.no_prefetch:
+        F.SCALE_PREFETCH = args.prefetch
+    from dsv4_moe.bench.run import _apply_set  # the layer bench's parsing
+    for item in args.set:
+        print(_apply_set(item), flush=True)
     variants = [tuple(int(x) for x in v.split(":")) for v in args.variants.split(",") if v]
     forced = [tuple(int(x) for x in v.split("x")) for v in args.forced.split(",") if v]
     shapes = [tuple(int(x) for x in v.split("x")) for v in args.shapes.split(",") if v] or SHAPES
