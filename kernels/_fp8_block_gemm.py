@@ -210,7 +210,6 @@ def _fp8_gemv_kernel(
     FIXUP: tl.constexpr = False,   # SPLIT: the tile's last program sums ws (kernels/split_k.py)
     NUM_KB: tl.constexpr = 0,      # FIXUP: K blocks to sum (unrolled, as in _splitk_sum_kernel)
     KB_VEC: tl.constexpr = 0,      # SPLIT: the program's K blocks as one [BLOCK_N, KB_VEC, 128] load
-    EARLY_SCALES: tl.constexpr = False,  # fp8_block_gemm.GEMV_EARLY_SCALES (see there)
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
 ):
     """Decode body (GEMV config): one activation row x BLOCK_N weight rows per program on
@@ -244,19 +243,12 @@ def _fp8_gemv_kernel(
             kmask = kb_ok[:, None] & (ka < K)
         a2 = tl.load(a_ptr + m.to(tl.int64) * stride_am + ka, mask=kmask, other=0.0)
         b3 = tl.load(b_ptr + bn[:, None, None] * stride_bn + ka[None, :, :], mask=kmask[None, :, :], other=0.0)
-        if EARLY_SCALES:  # the scales' loads issue with the operands' (one memory round trip)
-            sb2 = tl.load(sb_ptr + (bn // 128)[:, None] * stride_sbn + kbs[None, :] * stride_sbk,
-                          mask=kb_ok[None, :], other=0)
-            sa2 = tl.load(sa_ptr_m + kbs * stride_sak, mask=kb_ok, other=0.0)
-            p2 = tl.sum(b3.to(tl.float32) * a2.to(tl.float32)[None, :, :], axis=2)
-        else:
-            p2 = tl.sum(b3.to(tl.float32) * a2.to(tl.float32)[None, :, :], axis=2)
-            sb2 = tl.load(sb_ptr + (bn // 128)[:, None] * stride_sbn + kbs[None, :] * stride_sbk,
-                          mask=kb_ok[None, :], other=0)
-            sa2 = tl.load(sa_ptr_m + kbs * stride_sak, mask=kb_ok, other=0.0)
+        p2 = tl.sum(b3.to(tl.float32) * a2.to(tl.float32)[None, :, :], axis=2)
+        sb2 = tl.load(sb_ptr + (bn // 128)[:, None] * stride_sbn + kbs[None, :] * stride_sbk,
+                      mask=kb_ok[None, :], other=0)
         if SB_E8M0:
             sb2 = _e8m0_to_f32(sb2)
-        v2 = p2 * sa2[None, :] * sb2
+        v2 = p2 * tl.load(sa_ptr_m + kbs * stride_sak, mask=kb_ok, other=0.0)[None, :] * sb2
         tl.store(ws_ptr + (m.to(tl.int64) + kbs.to(tl.int64)[None, :] * M) * N + offs_n[:, None], v2,
                  mask=n_ok[:, None] & kb_ok[None, :])
     else:
@@ -268,17 +260,11 @@ def _fp8_gemv_kernel(
                 k_left = K - kb * 128
                 a = tl.load(a_ptrs + kb * 128, mask=offs_k < k_left, other=0.0)
                 b = tl.load(b_ptrs + kb * 128, mask=offs_k[None, :] < k_left, other=0.0)
-            if EARLY_SCALES:
-                sb = tl.load(sb_ptrs + kb * stride_sbk)
-                sa = tl.load(sa_ptr_m + kb * stride_sak)
-                p = tl.sum(b.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)
-            else:
-                p = tl.sum(b.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)
-                sb = tl.load(sb_ptrs + kb * stride_sbk)
-                sa = tl.load(sa_ptr_m + kb * stride_sak)
+            p = tl.sum(b.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)
+            sb = tl.load(sb_ptrs + kb * stride_sbk)
             if SB_E8M0:
                 sb = _e8m0_to_f32(sb)
-            v = p * sa * sb
+            v = p * tl.load(sa_ptr_m + kb * stride_sak) * sb
             if SPLIT:
                 tl.store(ws_ptr + (m.to(tl.int64) + kb * M) * N + offs_n, v, mask=n_ok)
             else:
@@ -364,7 +350,7 @@ def launch_fp8_block_gemm(q_u8, sa, w_u8, sw, out, cfg: dict, interpreting: bool
             a, sa, b, sw, out, ws, cnt, m, n, k, num_kb, kb_per,
             a.stride(0), b.stride(0), sa.stride(0), sa.stride(1), sw.stride(0), sw.stride(1), out.stride(0),
             SB_E8M0=sb_e8m0, EVEN_K=(k % 128 == 0), SOFTWARE=interpreting, SPLIT=split_k > 1, BLOCK_N=bn,
-            EARLY_SCALES=bool(cfg.get("GEMV_EARLY_SCALES", False)), **fix, **extra, **pdl)
+            **fix, **extra, **pdl)
     else:
         _fp8_block_gemm_kernel[(tiles, split_k)](
             a, sa, b, sw, out, ws, m, n, k, num_kb, kb_per,

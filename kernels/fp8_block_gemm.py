@@ -83,12 +83,6 @@ OVERLAPPED_GEMV_SPLIT = True
 # 1238.3 / 1231.5, T=1024 1690.0 / 1669.9; the layer bench at T=8192: Pro-TP8 3192.5 / 3146.4,
 # Flash 7482.8 / 7352.9. The shared expert is a small part of the layer, so ~1 %.
 SCALE_PREFETCH = True
-# A/B switch (session 41, off by default until timed): the GEMV body (M = 1) loads its K blocks'
-# scales before it sums their products. Why: written after the sum, the sm_90a SASS of the split
-# GEMV (KB_VEC, compiled offline) issued the scale LDGs after the whole product reduction - a second
-# memory round trip per program after the operands' - and before it they issue with the operands'.
-# The same values and products: the same bits.
-GEMV_EARLY_SCALES = False
 # A/B switch (session 39, off by default): split the 64-row tiles (M > 16) over K, to about this
 # many programs per SM, when their tiles leave SMs idle - ignoring SPLIT_K_MAX_WS_FRACTION (at
 # Pro-TP8's shared gate_up, M = 64: 12 tiles of 64 x 64 each streaming K = 7168; the workspace
@@ -185,6 +179,13 @@ def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H200, fast_accu
         # Flash gate_up 8.59 -> 7.89, down 5.95 -> 5.46, Pro-TP8 gate_up 5.43 -> 4.76, Pro-TP1
         # gate_up 16.94 -> 16.65, down 10.56 -> 10.19; bitwise the same outputs. Four blocks
         # per program with 2 warps spilled (Pro-TP1 gate_up 29.7 us).
+        # NOTE (session 41, measured and removed): the GEMV body's scale loads written before its
+        # product sums (the sm_90a SASS issues them after the sum, a second memory round trip per
+        # program; moved, with the operands'). Alone (gpu_probe_mid_m.py, us, kept / moved, two runs
+        # each): Pro-TP8 gate_up 4.5 / 4.2, Flash gate_up 6.3 / 6.2, Flash down 4.9, 4.5 / 5.3, 5.3,
+        # Pro-TP8 down 3.1 / 3.1; the layer at T = 1 (gpu_profile_layer.py --ab, median of 5 captures):
+        # Pro-TP8 32.9 / 32.7, Flash 53.6 / 53.5 - level in the layer, mixed alone (docs/bench/
+        # 2026-12-01/session41/all_call4_caa4c10.log).
         return dict(BLOCK_M=1, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, IMPRECISE=32, GEMV=True,
                     SPLIT_K=-(-(-(-k // _BLOCK)) // 2), KB_VEC=True)
     # NOTE (session 40, H200, the Pro-TP8 layer bench, graph-chain, us, T = 4 / 8 / 12 / 16; the shared
@@ -285,7 +286,6 @@ def fp8_block_gemm_nt(q: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, sw: to
     if split_k is not None:
         cfg["SPLIT_K"] = split_k
     cfg.setdefault("SCALE_PREFETCH", SCALE_PREFETCH)
-    cfg.setdefault("GEMV_EARLY_SCALES", GEMV_EARLY_SCALES)
     sk = cfg.get("SPLIT_K", 1)
     if not is_int(sk) or sk < 1:
         raise ValueError(f"{fn}: config SPLIT_K={sk!r}, expected an int >= 1")

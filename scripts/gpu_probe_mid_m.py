@@ -9,7 +9,7 @@ of bf16 outputs off the fp64-summed result, and split == unsplit bitwise for the
     python3 scripts/gpu_probe_mid_m.py --shapes 64x4096x4096 --forced 64x64x4x4,16x64x4x6  # BMxBNxWARPSxSTAGES
     python3 scripts/gpu_probe_mid_m.py --prefetch   # the same with fp8_block_gemm.SCALE_PREFETCH on
     python3 scripts/gpu_probe_mid_m.py --variants 64:0 --shapes 1x768x7168 \
-        --set dsv4_moe.kernels.fp8_block_gemm.GEMV_EARLY_SCALES=1   # any module constant (as bench_layer.py)
+        --set dsv4_moe.kernels.fp8_block_gemm.OVERLAPPED_GEMV_SPLIT=0   # any module constant (as bench_layer.py)
 Since session 41 SCALE_PREFETCH is on by default: `--prefetch` forces it on, `--no-prefetch` off.
 """
 from __future__ import annotations

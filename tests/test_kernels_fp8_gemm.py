@@ -257,25 +257,6 @@ def test_scale_prefetch_same_bits(monkeypatch, m, n, k, config, split_k, sw_dtyp
     assert_near_reference(got, ref.fp8_gemm(q, sa, w, sw), (q, sa, w, sw), cfg, f"prefetch M={m} N={n} K={k}")
 
 
-@pytest.mark.parametrize("n,k,split_k,sw_dtype", [(256, 1024, None, torch.float8_e8m0fnu),
-                                                  (200, 1000, 3, torch.float32), (384, 640, 1, torch.float8_e8m0fnu)])
-def test_gemv_early_scales_same_bits(monkeypatch, n, k, split_k, sw_dtype):
-    """fp8_block_gemm.GEMV_EARLY_SCALES (A/B switch): the GEMV body (M = 1; split with KB_VEC and
-    the unsplit block loop) loading its scales before the product sums gives the same bits."""
-    from dsv4_moe.kernels import fp8_block_gemm as F
-
-    q, sa, w, sw = make_case(1, n, k, seed=n + k, sw_dtype=sw_dtype)
-    args = (q.to(DEV), sa.to(DEV), w.to(DEV), sw.to(DEV))
-    assert choose_config(1, n, k)["GEMV"]
-    monkeypatch.setattr(F, "GEMV_EARLY_SCALES", False)
-    base = fp8_block_gemm_nt(*args, split_k=split_k).cpu()
-    monkeypatch.setattr(F, "GEMV_EARLY_SCALES", True)
-    got = fp8_block_gemm_nt(*args, split_k=split_k).cpu()
-    assert torch.equal(got.view(torch.int16), base.view(torch.int16))
-    assert_near_reference(got, ref.fp8_gemm(q, sa, w, sw), (q, sa, w, sw), choose_config(1, n, k),
-                          f"early scales N={n} K={k}")
-
-
 def test_choose_split_k_workspace_crossover():
     # Workspace 4*KB*M*N bytes vs weights N*K: (M / 32) x; allowed up to 1/8 -> M <= 4.
     n, k = 4096, 4096
