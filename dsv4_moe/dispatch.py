@@ -207,19 +207,22 @@ def pdl_policy(num_tokens: int, shared_overlapped: bool, intermediate: int = 0) 
     # 74.9 / 75.3, T=8 99.2 / 91.4 / 92.5. So at exit from Pro-shaped T = 4 (no longer off there);
     # T = 3 keeps its fork after the front and early release (the layer bench: 57.2 against 58.2
     # forked after the logits and released at exit; shared_fork_policy).
-    # NOTE (session 41, docs/bench/2026-12-01/session41/profile_layer_pdl_*_19ce9a3.txt, same tool, 4
-    # weight sets, median of 3 interleaved captures per mode, us, PDL at exit / early, outputs bitwise
-    # the same): Pro-TP8 (I = 384) T=9 99.9 / 98.4, T=10 106.1 / 104.0, T=11 114.5 / 111.8, T=12 118.7 /
-    # 115.9, T=16 143.7 / 140.6, T=20 174.8 / 176.7, T=24 194.0 / 193.8, T=32 231.5 / 233.4 (and T=4
-    # 62.7 / 65.8, T=8 91.2 / 97.2 in the six-variant table, where the shared expert forks after the
-    # logits: shared_fork_policy); Flash (I = 2048) T=3 104.8 / 104.0, T=4 122.3 / 124.9, T=5 139.6 /
-    # 140.0, T=6 159.4 / 159.8, T=8 197.7 / 201.3. So early at Pro-shaped T = 9-16 (the shared expert
-    # forked after the front, its GEMMs still the split-K decode grids), at exit from Flash-shaped
-    # T = 4 (sessions 28-40 changed the kernels around session 28's early T = 4-6).
+    # NOTE (session 41, docs/bench/2026-12-01/session41/, H200, PDL at exit / early, outputs bitwise
+    # the same). gpu_profile_layer.py (4 weight sets, median of 3 interleaved captures per mode, us):
+    # Pro-TP8 (I = 384) T=9 99.9 / 98.4, T=10 106.1 / 104.0, T=11 114.5 / 111.8, T=12 118.7 / 115.9,
+    # T=16 143.7 / 140.6, T=20 174.8 / 176.7, T=24 194.0 / 193.8, T=32 231.5 / 233.4 (T=4 62.7 / 65.8,
+    # T=8 91.2 / 97.2 in its six-variant table, the shared expert forked after the logits there:
+    # shared_fork_policy). The layer bench (graph-chain, all_call8_a54454c.log) agrees: T=9 100.1 /
+    # 96.9, T=12 121.2 / 117.4, T=16 140.8 / 136.6 - so early at Pro-shaped T = 9-16. On Flash
+    # (I = 2048) the two tools disagree: the profile gave T=3 104.8 / 104.0, T=4 122.3 / 124.9, T=5
+    # 139.6 / 140.0, T=6 159.4 / 159.8, T=8 197.7 / 201.3, but the layer bench, two alternating runs
+    # each (all_call9_a54454c.log), T=4 122.4, 122.5 / 119.4, 119.3, T=5 142.9, 143.2 / 139.5, 140.2,
+    # T=6 160.4, 160.4 / 157.2, 156.5 - the bench's figures are the targets', so Flash keeps early at
+    # T = 2-6.
     if not shared_overlapped or num_tokens == 1:
         return "early", ("T = 1" if shared_overlapped else "shared expert in line") + ": successors released early"
     why = f"shared expert overlapped, T = {num_tokens}, I = {intermediate}"
-    if (intermediate >= 2048 and 2 <= num_tokens <= 3) or \
+    if (intermediate >= 2048 and 2 <= num_tokens <= 6) or \
             (0 < intermediate < 2048 and (2 <= num_tokens <= 3 or 9 <= num_tokens <= 16)):
         return "early", f"{why}: successors released early (measured faster than at exit on the H200)"
     return "exit", "shared expert overlapped, T > 1: successors released at CTA exit"
