@@ -15,6 +15,12 @@ Runs each case twice (the first launch compiles; profile either): the routed MXF
 the default config at T = 1 (Flash gate_up and down, Pro-TP8 gate_up; top-6 routes), the
 shared FP8 GEMM at M = 1 (Flash gate_up, the GEMV body) and SwiGLU-quant at T = 8192,
 I = 2048 (fused). The ncu report says whether a kernel is issue-, latency- or memory-bound.
+Session 41 added `--fp8-shapes MxNxK,...` and `--fp8-imprecise V,...` (the FP8 GEMM on choose_config's
+tile with IMPRECISE overridden), for session 40's lead on the 64-row tile's serially waited QGMMAs:
+    ncu --clock-control none -k regex:fp8_block --section SpeedOfLight --section WarpStateStats \
+        python3 scripts/gpu_ncu_kernels.py --shapes '' --fp8-shapes 4096x4096x4096,64x4096x4096 \
+        --fp8-imprecise 32,128
+(`--shapes ''` skips the routed cases; `--routed-only` would skip these.)
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import dataclasses
 import torch
 
 from dsv4_moe.kernels.act_quant import act_quant
-from dsv4_moe.kernels.fp8_block_gemm import fp8_block_gemm_nt
+from dsv4_moe.kernels.fp8_block_gemm import choose_config, fp8_block_gemm_nt
 from dsv4_moe.kernels.moe_align import moe_align
 from dsv4_moe.kernels.mxfp4_grouped_gemm import mxfp4_grouped_gemm, select_config
 from dsv4_moe.kernels.swiglu_quant import swiglu_quant
@@ -48,7 +54,20 @@ def main() -> None:
     ap.add_argument("--one-chain", action="store_true",
                     help="force GemmConfig.one_chain on every folded 'wait' swap config, split-K ones included "
                          "(session 33's lead 3: why one chain per block is slower at T = 1)")
+    ap.add_argument("--fp8-shapes", default="1x4096x4096",
+                    help="MxNxK,... of the shared FP8 block GEMM (choose_config's tile; session 41: e.g. "
+                         "4096x4096x4096,4096x768x7168 for the 64 x 128 prefill tile)")
+    ap.add_argument("--fp8-imprecise", default="",
+                    help="IMPRECISE values (comma-separated, 1..128) to run each FP8 shape's MMA tile with "
+                         "(default: choose_config's); session 40's lead: the 64-row tile waits on each of its "
+                         "K / IMPRECISE QGMMAs in turn at 32")
     args = ap.parse_args()
+    fp8_shapes = [tuple(int(v) for v in item.split("x")) for item in args.fp8_shapes.split(",") if item]
+    if any(len(sh) != 3 or min(sh) < 1 for sh in fp8_shapes):
+        ap.error(f"--fp8-shapes {args.fp8_shapes!r}: expected MxNxK,... with positive ints")
+    fp8_imp = [int(v) for v in args.fp8_imprecise.split(",") if v]
+    if any(not 0 < v <= 128 for v in fp8_imp):
+        ap.error(f"--fp8-imprecise {args.fp8_imprecise!r}: expected values in 1..128")
     from dsv4_moe.kernels.routed_experts import routed_configs
     from dsv4_moe.weights.mma_layout import to_mma64, to_mma64e
     from dsv4_moe.weights.tensors import RoutedExpertWeights
@@ -82,10 +101,16 @@ def main() -> None:
             print(name, t, args.layout, cfg, flush=True)
     if args.routed_only:
         return
-    w, sw = random_fp8_block_weight(4096, 4096, generator=g)
-    q, sa = act_quant(torch.randn(1, 4096, device=DEV).bfloat16())
-    for _ in range(2):
-        fp8_block_gemm_nt(q, sa, w, sw)
+    for m, n, k in fp8_shapes:
+        w, sw = random_fp8_block_weight(n, k, generator=g)
+        q, sa = act_quant(torch.randn(m, k, device=DEV).bfloat16())
+        base = choose_config(m, n, k)
+        for imp in (fp8_imp if fp8_imp and not base.get("GEMV") else [None]):
+            cfg = base if imp is None else {**base, "IMPRECISE": imp}
+            for _ in range(2):
+                fp8_block_gemm_nt(q, sa, w, sw, config=cfg)
+            torch.cuda.synchronize()
+            print("fp8", m, n, k, cfg, flush=True)
     gu = torch.randn(8192, 4096, device=DEV).bfloat16()
     for _ in range(2):
         swiglu_quant(gu)

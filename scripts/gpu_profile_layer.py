@@ -30,6 +30,10 @@ logits GEMV read "NO" here, was taken for a new summation order, and was a wrong
 ~3 % spread remains at Flash T = 24.
 `--set MODULE.ATTR=V` (repeatable, session 27) sets module constants before anything is built,
 so one switch can be A/B'd with another held (e.g. the alignment's warps with its route limit).
+Session 41: at Flash T = 4-6 an --ab of dsv4_moe.dispatch.PDL_MODE=exit,early here (3 captures each,
+tight) put exit ahead by 0.4-2.6 us while the layer bench (--graph-chain, two alternating runs) put
+early ahead by ~3 us at each T; at Pro-TP8 T = 9-16 the two agreed. Confirm a policy change of a few
+per cent with the layer bench before taking it.
 """
 from __future__ import annotations
 
