@@ -27,6 +27,9 @@ writes the HGMMA's A or accumulator registers is a hazard.
     python scripts/sass_wgmma_hazard.py --layout mma64 --count
                                                       # the configs on "mma64" weights (the same-bits A/B
                                                       # twin), with per-opcode SASS counts
+    python scripts/sass_wgmma_hazard.py --loads       # where each body's loads sit against its MMAs
+                                                      # (session 41: the unrolled short-K Pro down issues
+                                                      # each block's loads after the previous block's MMAs)
 
 One row per compiled config: hazards found, registers, the ptxas that assembled it.
 """
@@ -278,11 +281,27 @@ def opcode_counts(ins: list[tuple[int, str]]) -> dict:
     return out
 
 
+def load_schedule(ins: list[tuple[int, str]]) -> dict:
+    """Where the global loads sit against the MMAs (session 41): LDG / LDGSTS (cp.async, Triton's
+    software pipelining) in the whole kernel and before its first HGMMA, and the full wgmma waits.
+    A K loop whose next blocks' loads are issued only after the MMAs of the previous one has
+    no LDGSTS and few loads before the first HGMMA; a pipelined one has its prologue's there."""
+    def op(s):
+        return re.sub(r"^@!?U?P\w+\s+", "", s).split(None, 1)[0]
+    ops = [op(s) for _, s in ins]
+    first = next((n for n, o in enumerate(ops) if o.startswith("HGMMA")), len(ops))
+    stem = [o.split(".")[0] for o in ops]
+    return dict(LDG=stem.count("LDG"), LDGSTS=stem.count("LDGSTS"),
+                LDG_before_mma=stem[:first].count("LDG"), LDGSTS_before_mma=stem[:first].count("LDGSTS"),
+                wgmma_waits=sum(o.startswith("WARPGROUP.DEPBAR") for o in ops))
+
+
 def _row(label, cfg, k, gather, extra=None):
     consts = dict(config_constexprs(cfg, k, gather), **(extra or {}))
     sass, regs, stack = compile_swap(consts, cfg.num_warps, cfg.maxnreg, "swap" if cfg.kind == "swap" else "tile")
     ins = parse_sass(sass)
     words = enc_word_sources(compile_swap.last_ptx) if consts.get("W_ENC") else None
+    _row.last_loads = load_schedule(ins)
     return hazards(ins), regs, stack, opcode_counts(ins), words
 
 
@@ -296,6 +315,8 @@ def main():
                     help="the weights' byte order the bodies are compiled for (and routed_configs picks "
                          "for; default: 'mma64e', what the layer takes on CUDA)")
     ap.add_argument("--count", action="store_true", help="print static SASS counts per opcode")
+    ap.add_argument("--loads", action="store_true",
+                    help="print where each body's global loads sit against its MMAs (load_schedule)")
     ap.add_argument("--compare-ptxas", metavar="PTXAS", default="",
                     help="also assemble each config's PTX with this ptxas (e.g. a CUDA 13 toolkit's) and say "
                          "whether the SASS is the same (session 34: 13.0 gives the same SASS as Triton's 12.8)")
@@ -329,6 +350,8 @@ def main():
               + (f", {words[1]}/{words[0]} asm words as loaded" if words is not None else ""))
         if args.count:
             print("    " + " ".join(f"{op} {n}" for op, n in counts.items()))
+        if args.loads:
+            print("    loads: " + " ".join(f"{key} {n}" for key, n in _row.last_loads.items()))
         if args.compare_ptxas:
             print("    " + compare_ptxas(compile_swap.last_ptx, args.compare_ptxas, cfg.maxnreg))
         for h in found[:args.show]:

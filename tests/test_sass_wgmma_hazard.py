@@ -110,3 +110,21 @@ def test_describe_difference_between_two_assemblies():
 def test_compare_ptxas_needs_an_executable():
     r = _run("--compare-ptxas", "/nonexistent/ptxas")
     assert r.returncode != 0 and "--compare-ptxas='/nonexistent/ptxas'" in r.stderr, r.stdout + r.stderr
+
+
+def test_load_schedule_counts_loads_before_the_first_mma():
+    """load_schedule (session 41's --loads): loads and cp.async split at the first HGMMA, the full
+    wgmma waits counted, predicated instructions read by their opcode."""
+    ins = H.parse_sass("""
+        /*0000*/                   LDG.E R2, desc[UR8][R2.64] ;
+        /*0010*/              @!P0 LDGSTS.E.BYPASS.128 [R4], desc[UR8][R6.64] ;
+        /*0020*/                   LDGDEPBAR ;
+        /*0030*/                   HGMMA.64x16x16.F32.BF16 R24, R40, gdesc[UR4], R24, gsb0 ;
+        /*0040*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0050*/              @!P0 LDG.E.128 R8, desc[UR8][R28.64] ;
+        /*0060*/                   HGMMA.64x16x16.F32.BF16 R24, R44, gdesc[UR8], R24, gsb0 ;
+        /*0070*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0080*/                   EXIT ;
+""")
+    assert H.load_schedule(ins) == dict(LDG=2, LDGSTS=1, LDG_before_mma=1, LDGSTS_before_mma=1, wgmma_waits=2)
+    assert H.load_schedule(ins[:3])["LDG_before_mma"] == 1  # no MMA at all: everything counts as before
