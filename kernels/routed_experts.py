@@ -223,19 +223,20 @@ PRO_DOWN16_SMALL_MAX_ROWS = 1.0
 # A 64-register cap on it (66 -> 64 registers, no stack, 0 hazards offline: 8 programs per SM
 # instead of 7) was level in the layer (session 29, same tool, us, none / 64: T=1 32.6 / 32.4, T=2
 # 44.9 / 45.1, T=3 58.9 / 58.6), so it stays uncapped.
-# The K-loop unroll of the short-K (I <= 1024 per rank) 16-row swap down, Pro-TP8 T <= 256 (see the
-# NOTE in _routed_configs: 2 since session 10; the 32- and 64-row bands set their own). A/B switch
-# (session 41, not timed): the sm_90a SASS of every such config
+# NOTE (sessions 41-42): the K-loop unroll of the short-K (I <= 1024 per rank) 16-row swap down,
+# Pro-TP8 T <= 256, stays 2 (see the NOTE in _routed_configs). Its sm_90a SASS
 # (`python scripts/sass_wgmma_hazard.py --loads`, docs/bench/2026-12-01/session41/sass_loads_cpu.txt)
-# has no cp.async at unroll 2 - each 128-block's loads issue after the previous block's MMAs, three
-# serial memory round trips per program (and under the 64-register cap a wait after every one of
-# the 24 HGMMAs); at 1 Triton pipelines the loop and issues all three blocks' loads before the first
-# MMA (Pro-TP8 T = 4-256, 16 x 64, cap 64, and T = 1-3 uncapped: 64 registers, no stack, 0 hazards
-# offline). The 32- and 64-row bands (T >= 512) are unpipelined the same way. Session 28 measured the
-# capped 16 x 64 tile alone without the unroll within 1.5 % (gpu_probe_swap_rows.py), so the
-# round trips may be hidden by the 8 programs per SM; the layer A/B is the open question:
-#   gpu_profile_layer.py --presets pro-tp8 --tokens 4,8,16,64 --ab dsv4_moe.kernels.routed_experts.PRO_DOWN_UNROLL=2,1
-PRO_DOWN_UNROLL = 2
+# has no cp.async - each 128-block's loads issue after the previous block's MMAs, three serial round
+# trips per program - while unroll 1 lets Triton pipeline all three blocks' loads before the first MMA
+# (64 registers, no stack, 0 hazards offline). Timed on the H200 in session 42 (the A/B switch
+# PRO_DOWN_UNROLL, since removed; docs/bench/2026-12-01/session42/, bitwise), unroll 2 / 1, us:
+# gpu_profile_layer.py --weight-sets 4 --ab-captures 3, Pro-TP8 T=1 32.4 / 34.1, T=4 62.9 / 66.0, T=8
+# 90.9 / 96.0, T=16 141.4 / 150.3, T=64 369.0 / 394.3, T=256 590.2 / 629.9; the layer bench
+# (--graph-chain, two alternating runs) T=1 31.3, 31.4 / 33.3, 33.3, T=8 92.5, 92.7 / 97.9, 98.4,
+# T=16 137.5, 137.7 / 146.3, 146.2, T=64 353.9, 353.5 / 376.2, 376.3: the pipelined loop is 5-7 %
+# slower, so the 8 programs per SM hide the round trips. Why the pipelined form loses (it stages the
+# operands through shared memory) was not measured. Offline only: unroll 3 compiles to unroll 2's load
+# schedule; 4, above the trip count, to a rolled loop with no cp.async.
 # NOTE (session 32, H200, gpu_profile_layer.py --ab, 12 forwards per graph, 3 captures, us, and the
 # layer bench --graph-chain, two runs; docs/bench/2026-11-30/session32/): the split-K 16-row decode
 # gate_up (Flash-shaped T = 1, Pro-shaped T <= 12) with a 128-register cap (uncapped 130 / 132
@@ -592,7 +593,7 @@ def _base_configs(num_routes: int, num_local: int, i: int, h: int, layout: str,
     # slower.
     if down.kind == "swap" and mma64 and i <= 1024:
         pairs = down.a_bf16 or (down.split_k == 1 and i % 128 == 0 and rows >= PRO_DOWN_PAIRS_MIN_ROWS)
-        down = dataclasses.replace(down, unroll=PRO_DOWN_UNROLL, a_bf16=pairs,
+        down = dataclasses.replace(down, unroll=2, a_bf16=pairs,
                                    maxnreg=128 if rows >= 0.05 and down.block_m == 16 else None)
     return up, down
 

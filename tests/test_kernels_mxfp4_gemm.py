@@ -646,26 +646,6 @@ def test_pro_down_block_n_same_bits(monkeypatch, t):
     _short_k_down_twins(down, [dict(block_n=64), dict(block_n=128)], seed=5, data_seed=9)
 
 
-def test_pro_down_unroll_same_bits(monkeypatch):
-    """routed_experts.PRO_DOWN_UNROLL (session 41, an A/B switch: 1 lets Triton pipeline the three
-    128-blocks' loads): it reaches the 16-row short-K down's configs only (the 32-row band and the
-    Flash-shaped down keep theirs), and unroll 1 gives unroll 2's bits."""
-    from dsv4_moe.kernels import routed_experts as rx
-
-    def configs(t, e=384, i=384, h=7168):
-        rx._routed_configs.cache_clear()
-        return rx._routed_configs(t * 6, e, i, h, "mma64e", True, True, True)
-
-    assert [configs(t)[1].unroll for t in (1, 8, 256, 1024)] == [2, 2, 2, 2]
-    flash = [configs(t, 256, 2048, 4096)[1].unroll for t in (1, 8)]
-    monkeypatch.setattr(rx, "PRO_DOWN_UNROLL", 1)
-    assert [configs(t)[1].unroll for t in (1, 8, 256, 1024)] == [1, 1, 1, 2]
-    assert [configs(t, 256, 2048, 4096)[1].unroll for t in (1, 8)] == flash
-    down = configs(8)[1]
-    rx._routed_configs.cache_clear()
-    _short_k_down_twins(down, [dict(unroll=2), dict(unroll=1)], seed=6, data_seed=10)
-
-
 def _short_k_down_twins(down, changes, seed, data_seed, t=5):
     """The 16-row short-K (K = 384) down of `down` on "mma64e" weights, once per dict of config
     changes: bitwise the same outputs, scattered, the route to another rank's expert unwritten."""
