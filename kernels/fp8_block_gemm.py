@@ -40,6 +40,10 @@ SPLIT_K_MIN_KB = 8
 # Programs to aim for in split-K phase 1: ~4 per SM (each holds <= 40 KB of smem at
 # 16 x 64 tiles, 4 stages, so several co-reside and keep loads in flight).
 _SPLIT_K_PROGRAMS_PER_SM = 4
+# Pipeline stages of the decode tile (M = 2-16, 16 x 64 mma.sync). A/B switch (session 42, untimed when
+# added): fewer stages take less shared memory from the SMs the routed gate_up shares with the
+# overlapped shared gate_up (its 12 unsplit programs at Pro-TP8 T = 5-16 span the routed gate_up).
+DECODE_NUM_STAGES = 4
 # tl.dot max_num_imprecise_acc of the faster, less accurate prefill mode (see
 # _fp8_block_gemm's NOTE): the whole 128-wide block accumulates inside the tensor core.
 FAST_PREFILL_IMPRECISE = 128
@@ -198,7 +202,9 @@ def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H200, fast_accu
         tiles = -(-n // 64)
         pps = _SPLIT_K_PROGRAMS_PER_SM if split_k_programs_per_sm is None else split_k_programs_per_sm
         split = choose_split_k(m, n, k, tiles, num_sms, pps) if pps > 0 else 1
-        return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, IMPRECISE=32,
+        if DECODE_NUM_STAGES not in (2, 3, 4):
+            raise ValueError(f"fp8_block_gemm.DECODE_NUM_STAGES={DECODE_NUM_STAGES!r}: expected 2, 3 or 4")
+        return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=DECODE_NUM_STAGES, IMPRECISE=32,
                     SPLIT_K=max(1, split))
     for name, v in (("MID_M_BLOCK_M", MID_M_BLOCK_M), ("MID_M_BLOCK_M_LARGE", MID_M_BLOCK_M_LARGE)):
         if v not in (16, 32, 64):
