@@ -40,9 +40,14 @@ SPLIT_K_MIN_KB = 8
 # Programs to aim for in split-K phase 1: ~4 per SM (each holds <= 40 KB of smem at
 # 16 x 64 tiles, 4 stages, so several co-reside and keep loads in flight).
 _SPLIT_K_PROGRAMS_PER_SM = 4
-# Pipeline stages of the decode tile (M = 2-16, 16 x 64 mma.sync). A/B switch (session 42, untimed when
-# added): fewer stages take less shared memory from the SMs the routed gate_up shares with the
-# overlapped shared gate_up (its 12 unsplit programs at Pro-TP8 T = 5-16 span the routed gate_up).
+# Pipeline stages of the decode tile (M = 2-16, 16 x 64 mma.sync). A/B switch (session 42): fewer stages
+# take less shared memory from the SMs the routed gate_up shares with the overlapped shared gate_up (its
+# 12 unsplit programs at Pro-TP8 T = 5-16 span the routed gate_up). NOTE (session 42, H200, the layer
+# bench --graph-chain, Pro-TP8, alternating runs in two calls, us, docs/bench/2026-12-01/session42/
+# all_call{8,9}_6f07add.log; 4 / 3 / 2 stages): T=8 92.5, 91.9 / 92.0 / 95.0, 95.3; T=9 97.5, 97.4, 96.8,
+# 97.0 / 96.4, 96.1, 96.0 / 101.5, 101.1; T=10 103.0, 103.4 / 103.8, 103.2; T=12 117.1 / 117.7 / 119.0,
+# 118.4; T=16 136.9, 137.3, 137.8 / 169.4, 168.6, 168.3 / 150.4, 150.0. Three stages are ~1 us faster at
+# T = 9 only and 31 us slower at T = 16 (not understood: no timeline, no bitwise A/B was run), so 4 stays.
 DECODE_NUM_STAGES = 4
 # tl.dot max_num_imprecise_acc of the faster, less accurate prefill mode (see
 # _fp8_block_gemm's NOTE): the whole 128-wide block accumulates inside the tensor core.

@@ -234,6 +234,27 @@ def test_mid_m_row_blocks_vs_reference(monkeypatch, bm):
     assert torch.equal(split.view(torch.int16), got.view(torch.int16))
 
 
+def test_decode_num_stages_same_bits(monkeypatch):
+    """fp8_block_gemm.DECODE_NUM_STAGES (session 42, an A/B switch, 4): it reaches the decode tile only
+    (M = 2-16), its stages give the same bits (pipelining only), and a value off 2-4 is named."""
+    from dsv4_moe.kernels import fp8_block_gemm as F
+
+    m, n, k = 9, 128, 1024
+    q, sa, w, sw = make_case(m, n, k, seed=42)
+    args = (q.to(DEV), sa.to(DEV), w.to(DEV), sw.to(DEV))
+    assert choose_config(m, n, k)["num_stages"] == 4
+    base = fp8_block_gemm_nt(*args).cpu()
+    monkeypatch.setattr(F, "DECODE_NUM_STAGES", 3)
+    assert choose_config(m, n, k)["num_stages"] == 3
+    assert choose_config(1, n, k)["num_stages"] == 4 and choose_config(64, n, k)["num_stages"] == 4
+    got = fp8_block_gemm_nt(*args).cpu()
+    assert torch.equal(got.view(torch.int16), base.view(torch.int16))
+    assert_near_reference(got, ref.fp8_gemm(q, sa, w, sw), (q, sa, w, sw), choose_config(m, n, k), "3 stages")
+    monkeypatch.setattr(F, "DECODE_NUM_STAGES", 5)
+    with pytest.raises(ValueError, match="DECODE_NUM_STAGES=5: expected 2, 3 or 4"):
+        choose_config(m, n, k)
+
+
 @pytest.mark.parametrize("m,n,k,config,split_k,sw_dtype", [
     (20, 256, 1024, None, None, torch.float8_e8m0fnu), (20, 256, 1024, None, 3, torch.float8_e8m0fnu),
     (40, 200, 300, None, 2, torch.float8_e8m0fnu), (70, 640, 384, None, None, torch.float32),
