@@ -107,7 +107,8 @@ def gemm_plan(layer, num_tokens: int) -> str:
                          f", K loop unrolled {cfg.unroll}x" if cfg.unroll > 1 and cfg.kind == "swap" else
                          f", {cfg.unroll} K blocks per step" if cfg.unroll > 1 else "",
                          ", weight blocks fastest in the grid" if cfg.n_fastest else "",
-                         ", each 128-block one MMA chain (one wgmma wait)" if cfg.one_chain else ""])
+                         ", each 128-block one MMA chain (one wgmma wait)" if cfg.one_chain else "",
+                         ", all K blocks' weights loaded up front" if cfg.preload else ""])
         parts.append(f"{gemm} {cfg.kind} {cfg.block_m}x{cfg.block_n}, {cfg.num_warps} warps, "
                      f"{cfg.num_stages} stages{extra}")
     from .kernels.mxfp4_grouped_gemm import split_parts

@@ -285,6 +285,7 @@ def _mxfp4_grouped_gemm_swap_kernel(
     N_FASTEST: tl.constexpr = False,  # grid (N blocks, M blocks, splits) instead of (M, N, splits)
     A_PAD: tl.constexpr = 1,  # the A row a padding row reads (_a_rows; mxfp4_grouped_gemm.A_PAD_ROWS)
     ONE_CHAIN: tl.constexpr = False,  # folded "wait": both halves as one K = 128 MMA chain (GemmConfig.one_chain)
+    PRELOAD: tl.constexpr = False,  # GemmConfig.preload: every K block's weight and scale loads before the first MMA
 ):
     """Swapped operands: out^T[n, rows] = W[n, k] . A^T[k, rows]. The dequantised weight
     tile is the MMA's first operand (kept in registers on Hopper: no shared-memory round
@@ -325,7 +326,120 @@ def _mxfp4_grouped_gemm_swap_kernel(
                a_ptr, sa_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, sorted_ids_ptr, block_expert_ptr, N, R,
                top_k, stride_am, stride_sam, stride_we, stride_wn, stride_swe, stride_swn, stride_om,
                A_GATHER, OUT_SCATTER, K, BLOCK_M, BLOCK_N, NUM_STAGES, KB_PER, SPLIT, SOFTWARE_BF16,
-               SELECT_SUBNORMAL, ASM, W_SWZ, W_ENC, A_BF16, DIAG, LOOP_UNROLL, FOLD_SA, FOLD_WAIT, A_PAD, ONE_CHAIN)
+               SELECT_SUBNORMAL, ASM, W_SWZ, W_ENC, A_BF16, DIAG, LOOP_UNROLL, FOLD_SA, FOLD_WAIT, A_PAD, ONE_CHAIN,
+               PRELOAD)
+
+
+@triton.jit
+def _swap_kblock(acc, kb, raw_given, sb4_given, a_ptrs, a_ptr, arow, stride_am, w_ptrs, sw_ptrs, sa_ptrs, ws_ptrs,
+                 row_ok, n_ok, kh, kk, k4, N, R,
+                 LOADED: tl.constexpr, K_MASKED: tl.constexpr, SPLIT_HALVES: tl.constexpr, K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SOFTWARE_BF16: tl.constexpr,
+                 SELECT_SUBNORMAL: tl.constexpr, ASM: tl.constexpr, W_SWZ: tl.constexpr, W_ENC: tl.constexpr,
+                 A_BF16: tl.constexpr, DIAG: tl.constexpr, FOLD_SA: tl.constexpr, FOLD_WAIT: tl.constexpr,
+                 A_PAD: tl.constexpr, ONE_CHAIN: tl.constexpr):
+    """One 128-wide K block kb of the swap item into acc (returned): the activation loads, the
+    weight words (loaded here, or `raw_given` / `sb4_given` when LOADED), the dequantisation and
+    the MMAs - the K loop's body, also run block by block by the PRELOAD form."""
+    k0 = kb * 128
+    if A_BF16 and K_MASKED:
+        a_even = tl.load(a_ptrs + k0, mask=(kb < K // 128) & (kh < 64)[None, :] & (row_ok[:, None] | (A_PAD != 2)),
+                         other=0.0)
+        a_odd = tl.load(a_ptrs + k0 + 64, mask=(kb < K // 128) & (kh < 64)[None, :] & (row_ok[:, None] | (A_PAD != 2)),
+                        other=0.0)
+    elif A_BF16 and A_PAD == 2 and ONE_CHAIN and FOLD_SA and FOLD_WAIT and not SOFTWARE_BF16:
+        # the pairs row of a 128-block is [64 even | 64 odd]: the one-chain operand as stored
+        a_cat = tl.load(a_ptr + arow[:, None] * stride_am + (k0 + kk)[None, :], mask=row_ok[:, None], other=0.0)
+        a_even = a_cat  # unused on this path (the names must exist for the branches below)
+        a_odd = a_cat
+    elif A_BF16 and A_PAD == 2:
+        a_even = tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0.0)
+        a_odd = tl.load(a_ptrs + k0 + 64, mask=row_ok[:, None], other=0.0)
+    elif A_BF16:
+        a_even = tl.load(a_ptrs + k0)
+        a_odd = tl.load(a_ptrs + k0 + 64)
+    elif K_MASKED:
+        a = tl.load(a_ptrs + k0, mask=(k0 + kk)[None, :] < K, other=0.0)
+        a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, 64, 2)))
+    else:
+        a_even, a_odd = tl.split(tl.reshape(tl.load(a_ptrs + k0), (BLOCK_M, 64, 2)))
+    kmask = (k0 // 2 + kh)[None, :] < K // 2
+    if W_SWZ:
+        if LOADED:  # PRELOAD: the caller loaded this block's words (whole blocks, no mask)
+            raw = raw_given
+        elif K_MASKED:  # whole 128-blocks: only a split's tail block is masked (zero words decode to 0)
+            raw = tl.load(w_ptrs + kb * 4096, mask=kb < K // 128, other=0)
+        else:
+            raw = tl.load(w_ptrs + kb * 4096)
+        if W_ENC and not ASM:  # the PTX decodes "mma64e" words in registers; this path first
+            raw = _mma64e_decode(raw, BLOCK_N)
+        packed = _mma64_unswizzle(raw, BLOCK_N)
+    elif K_MASKED:
+        packed = tl.load(w_ptrs + k0 // 2, mask=kmask, other=0)
+    else:
+        packed = tl.load(w_ptrs + k0 // 2)
+    if LOADED:
+        sb4 = sb4_given
+    elif K_MASKED:
+        sb4 = tl.load(sw_ptrs + k0 // 32, mask=(k0 // 32 + k4)[None, :] < K // 32, other=127)
+    else:
+        sb4 = tl.load(sw_ptrs + k0 // 32)
+    if DIAG == 1:  # probe: no conversion (wrong values; isolates load + MMA cost)
+        w_lo = packed.to(tl.bfloat16) + tl.sum(sb4, axis=1).to(tl.bfloat16)[:, None]
+        w_hi = w_lo
+    elif SPLIT_HALVES:
+        w_lo = _dequant_w_swz_asm_half(packed, sb4, BLOCK_N, False, W_ENC)
+    elif ASM and W_SWZ:
+        w_lo, w_hi = _dequant_w_swz_asm(packed, sb4, BLOCK_N, W_ENC)
+    elif ASM:
+        w_lo, w_hi = _dequant_w_asm(packed, sb4, BLOCK_N)
+    else:
+        w_lo, w_hi = _dequant_w(packed, sb4, BLOCK_N, SELECT_SUBNORMAL)
+    if FOLD_SA and not A_BF16:  # q * sa in bf16 (exact); "scaled pairs" come pre-scaled
+        s_b = tl.load(sa_ptrs + kb, mask=row_ok & (kb < (K + 127) // 128), other=0.0)
+        a_even = (a_even.to(tl.float32) * s_b[:, None]).to(tl.bfloat16)
+        a_odd = (a_odd.to(tl.float32) * s_b[:, None]).to(tl.bfloat16)
+    if FOLD_SA and SOFTWARE_BF16:
+        acc = tl.dot(w_lo, tl.trans(a_even.to(tl.float32)), acc, input_precision="ieee")
+        acc = tl.dot(w_hi, tl.trans(a_odd.to(tl.float32)), acc, input_precision="ieee")
+    elif FOLD_SA and ONE_CHAIN and FOLD_WAIT:
+        # [lo | hi] along K: the 16 HGMMAs of the two dots below in their order (the same adds,
+        # the same bits), with one wgmma wait per block instead of two - Triton waits after a
+        # dot whose accumulator the next dot reads. sm_90a: Flash T = 1 gate_up 130 -> 119
+        # registers, no hazard (scripts/sass_wgmma_hazard.py); H200 timings: routed_experts.ONE_CHAIN_MIN_ROWS
+        w_cat = tl.reshape(tl.permute(tl.join(w_lo.to(tl.bfloat16), w_hi.to(tl.bfloat16)), (0, 2, 1)),
+                           (BLOCK_N, 128))
+        if not (A_BF16 and A_PAD == 2 and not K_MASKED):  # else a_cat was loaded as stored
+            a_cat = tl.reshape(tl.permute(tl.join(a_even.to(tl.bfloat16), a_odd.to(tl.bfloat16)), (0, 2, 1)),
+                               (BLOCK_M, 128))
+        acc = tl.dot(w_cat, tl.trans(a_cat.to(tl.bfloat16)), acc)
+        acc = _opaque_f32(acc)
+    elif FOLD_SA:
+        acc = tl.dot(w_lo.to(tl.bfloat16), tl.trans(a_even.to(tl.bfloat16)), acc)
+        if SPLIT_HALVES:
+            tl.debug_barrier()
+            w_hi = _dequant_w_swz_asm_half(packed, sb4, BLOCK_N, True, W_ENC)
+        acc = tl.dot(w_hi.to(tl.bfloat16), tl.trans(a_odd.to(tl.bfloat16)), acc)
+        if FOLD_WAIT:
+            acc = _opaque_f32(acc)
+    elif DIAG == 2:  # probe: no MMA (isolates load + conversion cost)
+        part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) + \
+            tl.sum(w_lo.to(tl.float32) + w_hi.to(tl.float32), axis=1)[:, None] + \
+            tl.sum(a_even.to(tl.float32) + a_odd.to(tl.float32), axis=1)[None, :]
+    elif SOFTWARE_BF16:
+        part = tl.dot(w_lo, tl.trans(a_even.to(tl.float32)), input_precision="ieee")
+        part = tl.dot(w_hi, tl.trans(a_odd.to(tl.float32)), part, input_precision="ieee")
+    else:
+        part = tl.dot(w_lo.to(tl.bfloat16), tl.trans(a_even.to(tl.bfloat16)))
+        part = tl.dot(w_hi.to(tl.bfloat16), tl.trans(a_odd.to(tl.bfloat16)), part)
+    if not FOLD_SA:
+        s_a = tl.load(sa_ptrs + kb, mask=row_ok & (kb < (K + 127) // 128), other=0.0)
+        if SPLIT:
+            tl.store(ws_ptrs + kb * R * N, part * s_a[None, :],
+                     mask=n_ok[:, None] & row_ok[None, :] & (kb < (K + 127) // 128))
+        else:
+            acc += part * s_a[None, :]
+    return acc
 
 
 @triton.jit
@@ -337,9 +451,15 @@ def _swap_item(pid_m, pid_n, pid_k,
                SOFTWARE_BF16: tl.constexpr, SELECT_SUBNORMAL: tl.constexpr, ASM: tl.constexpr,
                W_SWZ: tl.constexpr, W_ENC: tl.constexpr, A_BF16: tl.constexpr, DIAG: tl.constexpr,
                LOOP_UNROLL: tl.constexpr, FOLD_SA: tl.constexpr, FOLD_WAIT: tl.constexpr,
-               A_PAD: tl.constexpr, ONE_CHAIN: tl.constexpr = False):
+               A_PAD: tl.constexpr, ONE_CHAIN: tl.constexpr = False, PRELOAD: tl.constexpr = False):
     """One item of the swap kernel: rows of M-block pid_m x weight rows of N-block pid_n over
-    split pid_k's K blocks (the kernel's whole body before session 30)."""
+    split pid_k's K blocks (the kernel's whole body before session 30).
+
+    PRELOAD (GemmConfig.preload; three whole "mma64" K blocks, no split): the three blocks' weight
+    and scale loads are issued before the first block's MMAs, then the blocks run as the loop's
+    body would (_swap_kblock). In the loop the folded "wait" body's per-block wgmma wait keeps each
+    block's loads behind the previous block's MMAs (sm_90a SASS, session 42), so a short-K program
+    makes one memory round trip per block; this puts all of them in flight at once. Same bits."""
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     route = tl.load(sorted_ids_ptr + rows)
@@ -364,6 +484,8 @@ def _swap_item(pid_m, pid_n, pid_k,
     if SPLIT:
         route_safe = tl.where(row_ok, route, 0).to(tl.int64)
         ws_ptrs = ws_ptr + route_safe[None, :] * N + n[:, None]
+    else:
+        ws_ptrs = 0  # unused (no split workspace)
     # NOTE: with whole 128-blocks and a split that divides them evenly (or none), every
     # block index is in range: the K masks are dropped at compile time (session 6: the
     # per-element scale select of the masked load and its predicates were 44 of the 514
@@ -384,102 +506,33 @@ def _swap_item(pid_m, pid_n, pid_k,
     # Bitwise the same outputs (same MMA chain); H200 timings in kernels/routed_experts.py.
     SPLIT_HALVES: tl.constexpr = FOLD_SA and ASM and W_SWZ and DIAG == 0 and not FOLD_WAIT
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for j in tl.range(0, KB_PER, num_stages=NUM_STAGES, loop_unroll_factor=LOOP_UNROLL):
-        kb = pid_k * KB_PER + j
-        k0 = kb * 128
-        if A_BF16 and K_MASKED:
-            a_even = tl.load(a_ptrs + k0, mask=(kb < K // 128) & (kh < 64)[None, :] & (row_ok[:, None] | (A_PAD != 2)),
-                             other=0.0)
-            a_odd = tl.load(a_ptrs + k0 + 64, mask=(kb < K // 128) & (kh < 64)[None, :] & (row_ok[:, None] | (A_PAD != 2)),
-                            other=0.0)
-        elif A_BF16 and A_PAD == 2 and ONE_CHAIN and FOLD_SA and FOLD_WAIT and not SOFTWARE_BF16:
-            # the pairs row of a 128-block is [64 even | 64 odd]: the one-chain operand as stored
-            a_cat = tl.load(a_ptr + arow[:, None] * stride_am + (k0 + kk)[None, :], mask=row_ok[:, None], other=0.0)
-            a_even = a_cat  # unused on this path (the names must exist for the branches below)
-            a_odd = a_cat
-        elif A_BF16 and A_PAD == 2:
-            a_even = tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0.0)
-            a_odd = tl.load(a_ptrs + k0 + 64, mask=row_ok[:, None], other=0.0)
-        elif A_BF16:
-            a_even = tl.load(a_ptrs + k0)
-            a_odd = tl.load(a_ptrs + k0 + 64)
-        elif K_MASKED:
-            a = tl.load(a_ptrs + k0, mask=(k0 + kk)[None, :] < K, other=0.0)
-            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, 64, 2)))
-        else:
-            a_even, a_odd = tl.split(tl.reshape(tl.load(a_ptrs + k0), (BLOCK_M, 64, 2)))
-        kmask = (k0 // 2 + kh)[None, :] < K // 2
-        if W_SWZ:
-            if K_MASKED:  # whole 128-blocks: only a split's tail block is masked (zero words decode to 0)
-                raw = tl.load(w_ptrs + kb * 4096, mask=kb < K // 128, other=0)
-            else:
-                raw = tl.load(w_ptrs + kb * 4096)
-            if W_ENC and not ASM:  # the PTX decodes "mma64e" words in registers; this path first
-                raw = _mma64e_decode(raw, BLOCK_N)
-            packed = _mma64_unswizzle(raw, BLOCK_N)
-        elif K_MASKED:
-            packed = tl.load(w_ptrs + k0 // 2, mask=kmask, other=0)
-        else:
-            packed = tl.load(w_ptrs + k0 // 2)
-        if K_MASKED:
-            sb4 = tl.load(sw_ptrs + k0 // 32, mask=(k0 // 32 + k4)[None, :] < K // 32, other=127)
-        else:
-            sb4 = tl.load(sw_ptrs + k0 // 32)
-        if DIAG == 1:  # probe: no conversion (wrong values; isolates load + MMA cost)
-            w_lo = packed.to(tl.bfloat16) + tl.sum(sb4, axis=1).to(tl.bfloat16)[:, None]
-            w_hi = w_lo
-        elif SPLIT_HALVES:
-            w_lo = _dequant_w_swz_asm_half(packed, sb4, BLOCK_N, False, W_ENC)
-        elif ASM and W_SWZ:
-            w_lo, w_hi = _dequant_w_swz_asm(packed, sb4, BLOCK_N, W_ENC)
-        elif ASM:
-            w_lo, w_hi = _dequant_w_asm(packed, sb4, BLOCK_N)
-        else:
-            w_lo, w_hi = _dequant_w(packed, sb4, BLOCK_N, SELECT_SUBNORMAL)
-        if FOLD_SA and not A_BF16:  # q * sa in bf16 (exact); "scaled pairs" come pre-scaled
-            s_b = tl.load(sa_ptrs + kb, mask=row_ok & (kb < (K + 127) // 128), other=0.0)
-            a_even = (a_even.to(tl.float32) * s_b[:, None]).to(tl.bfloat16)
-            a_odd = (a_odd.to(tl.float32) * s_b[:, None]).to(tl.bfloat16)
-        if FOLD_SA and SOFTWARE_BF16:
-            acc = tl.dot(w_lo, tl.trans(a_even.to(tl.float32)), acc, input_precision="ieee")
-            acc = tl.dot(w_hi, tl.trans(a_odd.to(tl.float32)), acc, input_precision="ieee")
-        elif FOLD_SA and ONE_CHAIN and FOLD_WAIT:
-            # [lo | hi] along K: the 16 HGMMAs of the two dots below in their order (the same adds,
-            # the same bits), with one wgmma wait per block instead of two - Triton waits after a
-            # dot whose accumulator the next dot reads. sm_90a: Flash T = 1 gate_up 130 -> 119
-            # registers, no hazard (scripts/sass_wgmma_hazard.py); H200 timings: routed_experts.ONE_CHAIN_MIN_ROWS
-            w_cat = tl.reshape(tl.permute(tl.join(w_lo.to(tl.bfloat16), w_hi.to(tl.bfloat16)), (0, 2, 1)),
-                               (BLOCK_N, 128))
-            if not (A_BF16 and A_PAD == 2 and not K_MASKED):  # else a_cat was loaded as stored
-                a_cat = tl.reshape(tl.permute(tl.join(a_even.to(tl.bfloat16), a_odd.to(tl.bfloat16)), (0, 2, 1)),
-                                   (BLOCK_M, 128))
-            acc = tl.dot(w_cat, tl.trans(a_cat.to(tl.bfloat16)), acc)
-            acc = _opaque_f32(acc)
-        elif FOLD_SA:
-            acc = tl.dot(w_lo.to(tl.bfloat16), tl.trans(a_even.to(tl.bfloat16)), acc)
-            if SPLIT_HALVES:
-                tl.debug_barrier()
-                w_hi = _dequant_w_swz_asm_half(packed, sb4, BLOCK_N, True, W_ENC)
-            acc = tl.dot(w_hi.to(tl.bfloat16), tl.trans(a_odd.to(tl.bfloat16)), acc)
-            if FOLD_WAIT:
-                acc = _opaque_f32(acc)
-        elif DIAG == 2:  # probe: no MMA (isolates load + conversion cost)
-            part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32) + \
-                tl.sum(w_lo.to(tl.float32) + w_hi.to(tl.float32), axis=1)[:, None] + \
-                tl.sum(a_even.to(tl.float32) + a_odd.to(tl.float32), axis=1)[None, :]
-        elif SOFTWARE_BF16:
-            part = tl.dot(w_lo, tl.trans(a_even.to(tl.float32)), input_precision="ieee")
-            part = tl.dot(w_hi, tl.trans(a_odd.to(tl.float32)), part, input_precision="ieee")
-        else:
-            part = tl.dot(w_lo.to(tl.bfloat16), tl.trans(a_even.to(tl.bfloat16)))
-            part = tl.dot(w_hi.to(tl.bfloat16), tl.trans(a_odd.to(tl.bfloat16)), part)
-        if not FOLD_SA:
-            s_a = tl.load(sa_ptrs + kb, mask=row_ok & (kb < (K + 127) // 128), other=0.0)
-            if SPLIT:
-                tl.store(ws_ptrs + kb * R * N, part * s_a[None, :],
-                         mask=n_ok[:, None] & row_ok[None, :] & (kb < (K + 127) // 128))
-            else:
-                acc += part * s_a[None, :]
+    if PRELOAD:
+        tl.static_assert(KB_PER == 3 and W_SWZ and not SPLIT and not K_MASKED,
+                         "PRELOAD: three whole K blocks of 'mma64' weights, no split")
+        raw0 = tl.load(w_ptrs)
+        raw1 = tl.load(w_ptrs + 4096)
+        raw2 = tl.load(w_ptrs + 8192)
+        sb0 = tl.load(sw_ptrs)
+        sb1 = tl.load(sw_ptrs + 4)
+        sb2 = tl.load(sw_ptrs + 8)
+        acc = _swap_kblock(acc, 0, raw0, sb0, a_ptrs, a_ptr, arow, stride_am, w_ptrs, sw_ptrs, sa_ptrs, 0,
+                           row_ok, n_ok, kh, kk, k4, N, R, True, K_MASKED, SPLIT_HALVES, K, BLOCK_M, BLOCK_N, SPLIT,
+                           SOFTWARE_BF16, SELECT_SUBNORMAL, ASM, W_SWZ, W_ENC, A_BF16, DIAG, FOLD_SA, FOLD_WAIT,
+                           A_PAD, ONE_CHAIN)
+        acc = _swap_kblock(acc, 1, raw1, sb1, a_ptrs, a_ptr, arow, stride_am, w_ptrs, sw_ptrs, sa_ptrs, 0,
+                           row_ok, n_ok, kh, kk, k4, N, R, True, K_MASKED, SPLIT_HALVES, K, BLOCK_M, BLOCK_N, SPLIT,
+                           SOFTWARE_BF16, SELECT_SUBNORMAL, ASM, W_SWZ, W_ENC, A_BF16, DIAG, FOLD_SA, FOLD_WAIT,
+                           A_PAD, ONE_CHAIN)
+        acc = _swap_kblock(acc, 2, raw2, sb2, a_ptrs, a_ptr, arow, stride_am, w_ptrs, sw_ptrs, sa_ptrs, 0,
+                           row_ok, n_ok, kh, kk, k4, N, R, True, K_MASKED, SPLIT_HALVES, K, BLOCK_M, BLOCK_N, SPLIT,
+                           SOFTWARE_BF16, SELECT_SUBNORMAL, ASM, W_SWZ, W_ENC, A_BF16, DIAG, FOLD_SA, FOLD_WAIT,
+                           A_PAD, ONE_CHAIN)
+    else:
+        for j in tl.range(0, KB_PER, num_stages=NUM_STAGES, loop_unroll_factor=LOOP_UNROLL):
+            acc = _swap_kblock(acc, pid_k * KB_PER + j, 0, 0, a_ptrs, a_ptr, arow, stride_am, w_ptrs, sw_ptrs,
+                               sa_ptrs, ws_ptrs, row_ok, n_ok, kh, kk, k4, N, R, False, K_MASKED,
+                               SPLIT_HALVES, K, BLOCK_M, BLOCK_N, SPLIT, SOFTWARE_BF16, SELECT_SUBNORMAL, ASM,
+                               W_SWZ, W_ENC, A_BF16, DIAG, FOLD_SA, FOLD_WAIT, A_PAD, ONE_CHAIN)
     if FOLD_SA and SPLIT:
         tl.store(ws_ptrs + pid_k * R * N, acc, mask=n_ok[:, None] & row_ok[None, :])
     if not SPLIT:

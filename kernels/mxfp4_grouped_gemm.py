@@ -159,6 +159,12 @@ class GemmConfig:
     # the same bits) with one wgmma wait per block instead of two; on bf16 pairs the block's operand
     # loads as stored. routed_experts.routed_configs sets it where the H200 measured it faster.
     one_chain: bool = False
+    # "swap", folded "wait", unsplit, over exactly three 128-wide K blocks of "mma64" weights (the
+    # short-K Pro-TP8 down, K = I / tp = 384): all three blocks' weight and scale loads issued
+    # before the first block's MMAs instead of one block at a time behind the previous block's
+    # wgmma wait (session 42's SASS). Same MMAs, same bits. A/B switch routed_experts.PRO_DOWN_PRELOAD
+    # (off; not timed yet); no rule sets it.
+    preload: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("tile", "swap", "gemv"):
@@ -173,6 +179,11 @@ class GemmConfig:
         if self.one_chain and not (self.kind == "swap" and self.fold_sa and self.fold_order == "wait"):
             raise ValueError(f"GemmConfig.one_chain=True needs kind 'swap' with fold_sa=True and fold_order 'wait', "
                              f"got kind={self.kind!r}, fold_sa={self.fold_sa}, fold_order={self.fold_order!r}")
+        if self.preload and not (self.kind == "swap" and self.fold_sa and self.fold_order == "wait"
+                                 and self.split_k == 1):
+            raise ValueError(f"GemmConfig.preload=True needs kind 'swap' with fold_sa=True, fold_order 'wait' and "
+                             f"split_k=1, got kind={self.kind!r}, fold_sa={self.fold_sa}, "
+                             f"fold_order={self.fold_order!r}, split_k={self.split_k}")
         if self.a_bf16 and self.kind == "gemv":
             raise ValueError(f"GemmConfig.a_bf16=True needs kind 'swap' or 'tile', got kind={self.kind!r}")
         if self.maxnreg is not None and (not isinstance(self.maxnreg, int) or not 24 <= self.maxnreg <= 255):
@@ -378,6 +389,9 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
                          f"(got layout={layout!r}, asm={cfg.asm}): only that body is measured and checked in "
                          f"SASS (scripts/sass_wgmma_hazard.py) against ptxas < 13.3 reusing an in-flight "
                          f"wgmma's registers")
+    if cfg.preload and (k != 384 or not swz):
+        raise ValueError(f"config.preload=True: needs K = 384 (three 128-wide blocks) on 'mma64' / 'mma64e' weights, "
+                         f"got K={k}, layout={layout!r}")
     if cfg.kind != "tile":
         return _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz, enc, reduce)
     grid = (align.max_blocks, triton.cdiv(n, cfg.block_n))
@@ -464,7 +478,8 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
         _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, W_SWZ=swz, W_ENC=enc, A_BF16=cfg.a_bf16,
                                               DIAG=cfg.diag, LOOP_UNROLL=cfg.unroll, FOLD_SA=cfg.fold_sa,
                                               FOLD_WAIT=cfg.fold_order == "wait", N_FASTEST=cfg.n_fastest,
-                                              A_PAD=A_PAD_ROWS, ONE_CHAIN=cfg.one_chain, **common)
+                                              A_PAD=A_PAD_ROWS, ONE_CHAIN=cfg.one_chain, PRELOAD=cfg.preload,
+                                              **common)
     else:
         _mxfp4_gemv_kernel[grid](*args, UNROLL=cfg.unroll, **common)
     if split and not reduce:

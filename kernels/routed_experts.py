@@ -237,6 +237,18 @@ PRO_DOWN16_SMALL_MAX_ROWS = 1.0
 # slower, so the 8 programs per SM hide the round trips. Why the pipelined form loses (it stages the
 # operands through shared memory) was not measured. Offline only: unroll 3 compiles to unroll 2's load
 # schedule; 4, above the trip count, to a rolled loop with no cp.async.
+# The short-K down (K = I / tp = 384, three 128-blocks: Pro-TP8) with all three blocks' weight and
+# scale loads issued before the first MMA (GemmConfig.preload). A/B switch (session 42, built and checked
+# on the CPU only, NOT timed): 0 off; 1 on every such swap down config, its register cap kept; 2 on, uncapped.
+# Why: in the loop the folded "wait" body's per-block wgmma wait keeps each block's loads behind the
+# previous block's MMAs - uncapped or unrolled 3x too (sm_90a SASS: 8 of 18 LDGs before the first
+# HGMMA) - and ncu has global-load waits as this kernel's largest stall (BENCHMARKS.md session 42 item
+# 1). With preload 14 of 18 LDGs come first (the other 4: two blocks' activation rows, from the L2),
+# 0 hazards; registers at T = 4: 74 uncapped (6 programs per SM), 64 with a 16-byte stack under the
+# 64 cap; at T = 1: 72 (66 without); at T = 512 (16 x 128): 127 (118). Same bits (interpreter test).
+# To time: gpu_profile_layer.py --presets pro-tp8 --tokens 1,4,8,16,64,256 --weight-sets 4 --no-kernels
+#   --ab-captures 3 --ab dsv4_moe.kernels.routed_experts.PRO_DOWN_PRELOAD=0,1,2, then the layer bench.
+PRO_DOWN_PRELOAD = 0
 # NOTE (session 32, H200, gpu_profile_layer.py --ab, 12 forwards per graph, 3 captures, us, and the
 # layer bench --graph-chain, two runs; docs/bench/2026-11-30/session32/): the split-K 16-row decode
 # gate_up (Flash-shaped T = 1, Pro-shaped T <= 12) with a 128-register cap (uncapped 130 / 132
@@ -333,6 +345,7 @@ def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str
     if layout == "mma64e":
         up, down = _mma64e_configs(up, down, i, num_routes / max(num_local, 1))
         up, down = _one_chain(up, num_routes, num_local, "gate_up"), _one_chain(down, num_routes, num_local, "down")
+        down = _preload(down, i)
     if n_fastest:
         up, down = _n_fastest(up, num_routes, num_local), _n_fastest(down, num_routes, num_local)
     if CONFIG_OVERRIDE:
@@ -440,6 +453,17 @@ def _mma64e_configs(up: GemmConfig, down: GemmConfig, i: int, rows: float = 0.0)
     up, down = [dataclasses.replace(c, fold_order="wait") if c.fold_sa and c.fold_order == "split" else c
                 for c in (up, down)]
     return up, down
+
+
+def _preload(down: GemmConfig, i: int) -> GemmConfig:
+    """The down config with GemmConfig.preload where PRO_DOWN_PRELOAD asks for it (folded "wait"
+    unsplit swap configs over K = I = 384 only)."""
+    if PRO_DOWN_PRELOAD not in (0, 1, 2):
+        raise ValueError(f"routed_experts.PRO_DOWN_PRELOAD={PRO_DOWN_PRELOAD!r}: expected 0, 1 or 2")
+    if not (PRO_DOWN_PRELOAD and i == 384 and down.kind == "swap" and down.fold_sa and down.fold_order == "wait"
+            and down.split_k == 1):
+        return down
+    return dataclasses.replace(down, preload=True, maxnreg=None if PRO_DOWN_PRELOAD == 2 else down.maxnreg)
 
 
 def _n_fastest(cfg: GemmConfig, num_routes: int, num_local: int) -> GemmConfig:

@@ -209,7 +209,7 @@ def config_constexprs(cfg, k: int, gather: bool) -> dict:
                 A_BF16=cfg.a_bf16, DIAG=0, LOOP_UNROLL=cfg.unroll, PDL=1, FOLD_SA=cfg.fold_sa,
                 A_SPLIT=cfg.a_split, W_KN=cfg.w_kn, SCALE_BCAST=cfg.scale_bcast,
                 FOLD_WAIT=cfg.fold_order == "wait", N_FASTEST=cfg.n_fastest, W_ENC=False, A_PAD=_a_pad(),
-                ONE_CHAIN=cfg.one_chain)
+                ONE_CHAIN=cfg.one_chain, PRELOAD=cfg.preload)
 
 
 def _a_pad() -> int:

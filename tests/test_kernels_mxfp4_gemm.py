@@ -646,6 +646,49 @@ def test_pro_down_block_n_same_bits(monkeypatch, t):
     _short_k_down_twins(down, [dict(block_n=64), dict(block_n=128)], seed=5, data_seed=9)
 
 
+@pytest.mark.parametrize("t", [1, 8])
+def test_pro_down_preload_same_bits(t):
+    """GemmConfig.preload (session 42; A/B switch routed_experts.PRO_DOWN_PRELOAD, off): the
+    short-K Pro-TP8 down with all three K blocks' weight and scale loads issued first gives the loop's
+    bits, on fp8 activations (T = 1) and on scaled bf16 pairs (T = 8), capped or not."""
+    from dsv4_moe.kernels import routed_experts as rx
+
+    def down(switch, t=t, i=384, e=384, h=7168):
+        rx._routed_configs.cache_clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(rx, "PRO_DOWN_PRELOAD", switch)
+            return rx._routed_configs(t * 6, e, i, h, "mma64e", True, True, True)[1]
+
+    base, capped, free = down(0), down(1), down(2)
+    assert (base.kind, base.block_m, base.fold_sa, base.fold_order, base.split_k, base.preload) == \
+        ("swap", 16, True, "wait", 1, False)
+    assert capped == dataclasses.replace(base, preload=True)
+    assert free == dataclasses.replace(base, preload=True, maxnreg=None)
+    assert not down(2, i=2048, e=256, h=4096).preload and not down(2, i=768).preload  # K = 384 only
+    with pytest.raises(ValueError, match="PRO_DOWN_PRELOAD=3: expected 0, 1 or 2"):
+        down(3)
+    rx._routed_configs.cache_clear()
+    _short_k_down_twins(base, [dict(), dict(preload=True), dict(preload=True, maxnreg=None)], seed=6 + t,
+                        data_seed=10 + t)
+
+
+def test_preload_guards():
+    """preload is refused off the folded "wait" unsplit swap body, and off K = 384 at launch."""
+    with pytest.raises(ValueError, match="preload=True needs kind 'swap'"):
+        GemmConfig(16, 64, kind="tile", preload=True)
+    with pytest.raises(ValueError, match="preload=True needs kind 'swap'"):
+        GemmConfig(16, 64, kind="swap", fold_sa=True, split_k=2, preload=True)
+    cfg = GemmConfig(16, 64, kind="swap", asm=True, fold_sa=True, preload=True)
+    from dsv4_moe.weights.mma_layout import to_mma64e
+    g = torch.Generator().manual_seed(3)
+    ids = torch.tensor([[0, 1]])
+    a = moe_align(ids.int(), 2, 0, 16)
+    w, sw = _weights(2, 64, 256, g)
+    q, s = ref.act_quant(torch.randn(a.max_rows, 256, generator=g).bfloat16())
+    with pytest.raises(ValueError, match="config.preload=True: needs K = 384"):
+        mxfp4_grouped_gemm(q, s, to_mma64e(w), sw, a, gather_a=False, scatter_out=True, layout="mma64e", config=cfg)
+
+
 def _short_k_down_twins(down, changes, seed, data_seed, t=5):
     """The 16-row short-K (K = 384) down of `down` on "mma64e" weights, once per dict of config
     changes: bitwise the same outputs, scattered, the route to another rank's expert unwritten."""
