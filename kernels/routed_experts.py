@@ -237,18 +237,24 @@ PRO_DOWN16_SMALL_MAX_ROWS = 1.0
 # slower, so the 8 programs per SM hide the round trips. Why the pipelined form loses (it stages the
 # operands through shared memory) was not measured. Offline only: unroll 3 compiles to unroll 2's load
 # schedule; 4, above the trip count, to a rolled loop with no cp.async.
-# The short-K down (K = I / tp = 384, three 128-blocks: Pro-TP8) with all three blocks' weight and
-# scale loads issued before the first MMA (GemmConfig.preload). A/B switch (session 42, built and checked
-# on the CPU only, NOT timed): 0 off; 1 on every such swap down config, its register cap kept; 2 on, uncapped.
-# Why: in the loop the folded "wait" body's per-block wgmma wait keeps each block's loads behind the
-# previous block's MMAs - uncapped or unrolled 3x too (sm_90a SASS: 8 of 18 LDGs before the first
-# HGMMA) - and ncu has global-load waits as this kernel's largest stall (BENCHMARKS.md session 42 item
-# 1). With preload 14 of 18 LDGs come first (the other 4: two blocks' activation rows, from the L2),
-# 0 hazards; registers at T = 4: 74 uncapped (6 programs per SM), 64 with a 16-byte stack under the
-# 64 cap; at T = 1: 72 (66 without); at T = 512 (16 x 128): 127 (118). Same bits (interpreter test).
-# To time: gpu_profile_layer.py --presets pro-tp8 --tokens 1,4,8,16,64,256 --weight-sets 4 --no-kernels
-#   --ab-captures 3 --ab dsv4_moe.kernels.routed_experts.PRO_DOWN_PRELOAD=0,1,2, then the layer bench.
-PRO_DOWN_PRELOAD = 0
+# Rows per local expert from which the short-K down (K = I / tp = 384, three 128-blocks: Pro-TP8) on
+# 16 x 64 blocks (Pro-TP8 T <= 256) issues all three blocks' weight and scale loads before its first MMA
+# (GemmConfig.preload), its register cap kept. math.inf: never (an A/B switch). Why: in the loop the
+# folded "wait" body's per-block wgmma wait keeps each block's loads behind the previous block's MMAs
+# (sm_90a SASS: 8 of 18 LDGs before the first HGMMA; 14 of 18 with preload, the other 4 two blocks'
+# activation rows; 0 hazards; T = 4: 64 registers and a 16-byte stack under the 64 cap, 74 uncapped).
+# NOTE (sessions 42-43; built on the CPU in 42, timed in 43, H200, docs/bench/2026-12-01/session43/,
+# every output bitwise the default's): gpu_profile_layer.py --weight-sets 4 --ab-captures 3, Pro-TP8,
+# off / on / on uncapped, us: T=1 32.6 / 32.9 / 32.9, T=4 62.6 / 63.7 / 63.1, T=8 90.4 / 91.2 / 90.8,
+# T=16 141.6 / 141.1 / 141.2, T=64 369.1 / 363.9 / 368.2, T=256 596.8 / 588.8 / 598.3; on the
+# 16 x 128 and 32 / 64-row blocks it loses: T=512 643.7 / 704.0 / 702.3, T=1024 783.5 / 840.3 / 838.8,
+# T=4096 1827.2 / 1878.8 / 1998.4, T=8192 3172.9 / 3298.5 / 3487.9. The layer bench (--graph-chain),
+# off, on, on uncapped, off: T=8 91.9, 93.1, 92.8, 92.5; T=16 136.9, 136.7, 137.0, 136.9; T=32 236.9,
+# 235.5, 236.5, 238.5; T=64 350.3, 345.7, 350.5, 353.0; T=128 476.8, 467.4, 474.3, 476.7; T=256 559.8,
+# 539.2, 552.5, 553.4; T=512 625.5 / 686.0 (on). So on, capped, from 0.5 rows (T = 32) on the 16 x 64
+# blocks only. Why it loses at T <= 8 (a few hundred programs, 8 per SM, mostly one row each) was not
+# measured.
+PRO_DOWN_PRELOAD_MIN_ROWS = 0.5
 # NOTE (session 32, H200, gpu_profile_layer.py --ab, 12 forwards per graph, 3 captures, us, and the
 # layer bench --graph-chain, two runs; docs/bench/2026-11-30/session32/): the split-K 16-row decode
 # gate_up (Flash-shaped T = 1, Pro-shaped T <= 12) with a 128-register cap (uncapped 130 / 132
@@ -345,7 +351,7 @@ def _routed_configs(num_routes: int, num_local: int, i: int, h: int, layout: str
     if layout == "mma64e":
         up, down = _mma64e_configs(up, down, i, num_routes / max(num_local, 1))
         up, down = _one_chain(up, num_routes, num_local, "gate_up"), _one_chain(down, num_routes, num_local, "down")
-        down = _preload(down, i)
+        down = _preload(down, i, num_routes / max(num_local, 1))
     if n_fastest:
         up, down = _n_fastest(up, num_routes, num_local), _n_fastest(down, num_routes, num_local)
     if CONFIG_OVERRIDE:
@@ -455,15 +461,13 @@ def _mma64e_configs(up: GemmConfig, down: GemmConfig, i: int, rows: float = 0.0)
     return up, down
 
 
-def _preload(down: GemmConfig, i: int) -> GemmConfig:
-    """The down config with GemmConfig.preload where PRO_DOWN_PRELOAD asks for it (folded "wait"
-    unsplit swap configs over K = I = 384 only)."""
-    if PRO_DOWN_PRELOAD not in (0, 1, 2):
-        raise ValueError(f"routed_experts.PRO_DOWN_PRELOAD={PRO_DOWN_PRELOAD!r}: expected 0, 1 or 2")
-    if not (PRO_DOWN_PRELOAD and i == 384 and down.kind == "swap" and down.fold_sa and down.fold_order == "wait"
-            and down.split_k == 1):
+def _preload(down: GemmConfig, i: int, rows: float) -> GemmConfig:
+    """The down config with GemmConfig.preload where PRO_DOWN_PRELOAD_MIN_ROWS asks for it: the folded
+    "wait" unsplit 16 x 64 swap configs over K = I = 384, from that many rows per local expert."""
+    if not (rows >= PRO_DOWN_PRELOAD_MIN_ROWS and i == 384 and down.kind == "swap" and down.block_m == 16
+            and down.block_n == 64 and down.fold_sa and down.fold_order == "wait" and down.split_k == 1):
         return down
-    return dataclasses.replace(down, preload=True, maxnreg=None if PRO_DOWN_PRELOAD == 2 else down.maxnreg)
+    return dataclasses.replace(down, preload=True)
 
 
 def _n_fastest(cfg: GemmConfig, num_routes: int, num_local: int) -> GemmConfig:

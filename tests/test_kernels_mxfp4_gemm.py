@@ -17,6 +17,7 @@ so `_native` runs a folded swap launch given "nk" weights on `to_mma64(w)` with 
 import _triton_interp  # noqa: F401  (sets TRITON_INTERPRET=1 where there is no GPU; must precede triton)
 
 import dataclasses  # noqa: E402
+import math  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -648,28 +649,43 @@ def test_pro_down_block_n_same_bits(monkeypatch, t):
 
 @pytest.mark.parametrize("t", [1, 8])
 def test_pro_down_preload_same_bits(t):
-    """GemmConfig.preload (session 42; A/B switch routed_experts.PRO_DOWN_PRELOAD, off): the
-    short-K Pro-TP8 down with all three K blocks' weight and scale loads issued first gives the loop's
-    bits, on fp8 activations (T = 1) and on scaled bf16 pairs (T = 8), capped or not."""
+    """GemmConfig.preload (routed_experts.PRO_DOWN_PRELOAD_MIN_ROWS): the short-K Pro-TP8 down with
+    all three K blocks' weight and scale loads issued first gives the loop's bits, on fp8 activations
+    (T = 1) and on scaled bf16 pairs (T = 8), capped or not (the threshold lowered to reach T = 1 / 8)."""
     from dsv4_moe.kernels import routed_experts as rx
 
-    def down(switch, t=t, i=384, e=384, h=7168):
+    def down(min_rows, t=t, i=384, e=384, h=7168):
         rx._routed_configs.cache_clear()
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(rx, "PRO_DOWN_PRELOAD", switch)
+            mp.setattr(rx, "PRO_DOWN_PRELOAD_MIN_ROWS", min_rows)
             return rx._routed_configs(t * 6, e, i, h, "mma64e", True, True, True)[1]
 
-    base, capped, free = down(0), down(1), down(2)
-    assert (base.kind, base.block_m, base.fold_sa, base.fold_order, base.split_k, base.preload) == \
-        ("swap", 16, True, "wait", 1, False)
-    assert capped == dataclasses.replace(base, preload=True)
-    assert free == dataclasses.replace(base, preload=True, maxnreg=None)
-    assert not down(2, i=2048, e=256, h=4096).preload and not down(2, i=768).preload  # K = 384 only
-    with pytest.raises(ValueError, match="PRO_DOWN_PRELOAD=3: expected 0, 1 or 2"):
-        down(3)
+    base, on = down(math.inf), down(0.0)
+    assert (base.kind, base.block_m, base.block_n, base.fold_sa, base.fold_order, base.split_k, base.preload) == \
+        ("swap", 16, 64, True, "wait", 1, False)
+    assert on == dataclasses.replace(base, preload=True)
+    assert not down(0.0, i=2048, e=256, h=4096).preload and not down(0.0, i=768).preload  # K = 384 only
     rx._routed_configs.cache_clear()
     _short_k_down_twins(base, [dict(), dict(preload=True), dict(preload=True, maxnreg=None)], seed=6 + t,
                         data_seed=10 + t)
+
+
+def test_pro_down_preload_rule():
+    """The shipped rule: preload from 0.5 rows per local expert (Pro-TP8 T >= 32) on the 16 x 64
+    down blocks only (T <= 256); never on the 16 x 128 / 32- / 64-row blocks of T >= 512, where it
+    measured 5-10 % slower; rows counted per local expert (EP: 48 local experts preload at T = 4)."""
+    from dsv4_moe.kernels import routed_experts as rx
+
+    def down(t, e=384):
+        return rx._routed_configs(t * 6, e, 384, 7168, "mma64e", True, True, True)[1]
+
+    rx._routed_configs.cache_clear()
+    assert rx.PRO_DOWN_PRELOAD_MIN_ROWS == 0.5
+    got = {t: down(t).preload for t in (1, 4, 8, 16, 32, 64, 256, 512, 1024, 4096, 8192)}
+    assert got == {1: False, 4: False, 8: False, 16: False, 32: True, 64: True, 256: True,
+                   512: False, 1024: False, 4096: False, 8192: False}
+    assert down(4, e=48).preload and not down(4, e=96).preload
+    assert all(down(t).maxnreg == 64 for t in (32, 256))  # the cap kept
 
 
 def test_preload_guards():
