@@ -83,7 +83,12 @@ SHORT_K_DECODE_SPLIT_MAX_ROWS = 0.03
 LONG_K_SPLIT = 8
 LONG_K_SPLIT_MAX_ROWS = 0.1
 LONG_K_SPLIT_MID = 4
-LONG_K_SPLIT_MID_MAX_ROWS = 0.2
+# NOTE (session 43, H200, layer bench --graph-chain, docs/bench/2026-12-01/session43/, us, split-4 band
+# to 0.2 rows -> to 0.3 / 0.25 rows, alternating runs): Pro-TP8 T=13 (0.203 rows) 129.3, 130.2, 130.5,
+# 129.6 -> 125.6, 125.6, 125.9, 126.3; T=14 (0.219) 131.0, 132.1, 130.8, 131.0 -> 129.9, 130.2, 129.8,
+# 129.9; T=15 (0.234) 136.1, 135.7 -> 139.2, 138.5; T=16 (0.25, 0.3 only) 136.6, 136.6 -> 141.8, 142.2.
+# So the band ends at 0.22 rows (T <= 14; was 0.2, T <= 12). T=12 117.2, 117.1 / 117.0, 116.9.
+LONG_K_SPLIT_MID_MAX_ROWS = 0.22
 LONG_K_SPLIT_MID_MAX_N = 2048
 MID_K_SPLIT = 2
 MID_K_SPLIT_MAX_ROWS = 0.03

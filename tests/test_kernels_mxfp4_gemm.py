@@ -583,7 +583,9 @@ def test_mma64e_layout_roundtrip_and_guards():
                 assert [dataclasses.replace(c, one_chain=False) for c in c64e] == list(c64), t
             else:
                 def bits(c):  # a cap, the ordering, the N split, one chain: none changes a sum's order
-                    return dataclasses.replace(c, maxnreg=None, fold_order="wait", block_n=128, one_chain=False)
+                    # (preload: the same MMAs, loads issued earlier; mma64e only, K = 384)
+                    return dataclasses.replace(c, maxnreg=None, fold_order="wait", block_n=128, one_chain=False,
+                                               preload=False)
                 assert [bits(c) for c in c64e] == [bits(c) for c in c64], t
                 changed += c64e != c64
         assert i >= 2048 or changed >= 4   # Pro-TP8 T = 1..256 (16-row blocks): "split" -> "wait", gate_up capped
@@ -813,8 +815,10 @@ def test_mma64_guards_and_select_config():
     assert select_config(6, 384, 7168, 384, "mma64").split_k == 1    # Pro-TP8 down: K = 384
     assert select_config(24, 256, 4096, 4096, "mma64").split_k == 1  # T=4: unsplit
     assert select_config(6, 384, 768, 7168, "mma64").split_k == 8
-    # ... 4 ways from 0.1 to 0.2 rows per expert, only for N <= 2048 (Pro-TP8, not Pro-TP1's N = 6144)
+    # ... 4 ways from 0.1 to 0.22 rows per expert (Pro-TP8 T = 7-14; session 43: to T = 14), only for
+    # N <= 2048 (Pro-TP8, not Pro-TP1's N = 6144)
     assert select_config(8 * 6, 384, 768, 7168, "mma64").split_k == 4
+    assert [select_config(t * 6, 384, 768, 7168, "mma64").split_k for t in (12, 13, 14, 15, 16)] == [4, 4, 4, 1, 1]
     assert select_config(8 * 6, 384, 6144, 7168, "mma64").split_k == 1
     assert select_config(1024 * 6, 256, 4096, 4096, "mma64").block_m == 32
     assert select_config(4096 * 6, 256, 4096, 4096, "mma64").kind == "tile"
@@ -832,8 +836,8 @@ def test_mma64_guards_and_select_config():
         # at T = 4, slower at T = 1)
         assert up.a_bf16, (t, up)
         assert down.a_bf16 == (t * 6 / 384 >= 0.05), (t, down)
-    # the long-K decode gate_up splits 8 ways below 0.1 rows per expert, 4 ways below 0.2
-    assert [routed_configs(t * 6, pro_tp8)[0].split_k for t in (1, 6, 7, 12, 13, 16)] == [8, 8, 4, 4, 1, 1]
+    # the long-K decode gate_up splits 8 ways below 0.1 rows per expert, 4 ways below 0.22
+    assert [routed_configs(t * 6, pro_tp8)[0].split_k for t in (1, 6, 7, 14, 15, 16)] == [8, 8, 4, 4, 1, 1]
     # the short-K down swap body: K loop unrolled twice; a register cap on 16-row blocks
     # from 0.05 routes per expert (probes of sessions 6 and 10)
     for t in (1, 4, 16, 256):
