@@ -47,7 +47,10 @@ _SPLIT_K_PROGRAMS_PER_SM = 4
 # all_call{8,9}_6f07add.log; 4 / 3 / 2 stages): T=8 92.5, 91.9 / 92.0 / 95.0, 95.3; T=9 97.5, 97.4, 96.8,
 # 97.0 / 96.4, 96.1, 96.0 / 101.5, 101.1; T=10 103.0, 103.4 / 103.8, 103.2; T=12 117.1 / 117.7 / 119.0,
 # 118.4; T=16 136.9, 137.3, 137.8 / 169.4, 168.6, 168.3 / 150.4, 150.0. Three stages are ~1 us faster at
-# T = 9 only and 31 us slower at T = 16 (not understood: no timeline, no bitwise A/B was run), so 4 stays.
+# T = 9 only and 31 us slower at T = 16, so 4 stays. Session 43's timeline of T = 16 (docs/bench/2026-12-01/
+# session43/timeline_layer_t16s{4,3}_27f208e.txt, us, 4 / 3 stages): the shared gate_up 53.7 / 41.6, the
+# routed gate_up beside it 78.8 / 109.8 - the loss is the routed kernel's (its unsplit T = 16 grid fills one
+# wave only just; DESIGN.md session 43 item 3). At T = 13-14 (now split-K) 3 stages were level.
 DECODE_NUM_STAGES = 4
 # tl.dot max_num_imprecise_acc of the faster, less accurate prefill mode (see
 # _fp8_block_gemm's NOTE): the whole 128-wide block accumulates inside the tensor core.

@@ -167,8 +167,8 @@ class GemmConfig:
     # "swap", folded "wait", unsplit, over exactly three 128-wide K blocks of "mma64" weights (the
     # short-K Pro-TP8 down, K = I / tp = 384): all three blocks' weight and scale loads issued
     # before the first block's MMAs instead of one block at a time behind the previous block's
-    # wgmma wait (session 42's SASS). Same MMAs, same bits. A/B switch routed_experts.PRO_DOWN_PRELOAD
-    # (off; not timed yet); no rule sets it.
+    # wgmma wait (session 42's SASS). Same MMAs, same bits. routed_experts.PRO_DOWN_PRELOAD_MIN_ROWS sets it on the
+    # 16 x 64 blocks from 0.5 rows per expert (session 43: Pro-TP8 T = 32-256 1-4 % faster in the layer).
     preload: bool = False
 
     def __post_init__(self) -> None:

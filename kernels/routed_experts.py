@@ -252,7 +252,11 @@ PRO_DOWN16_SMALL_MAX_ROWS = 1.0
 # off, on, on uncapped, off: T=8 91.9, 93.1, 92.8, 92.5; T=16 136.9, 136.7, 137.0, 136.9; T=32 236.9,
 # 235.5, 236.5, 238.5; T=64 350.3, 345.7, 350.5, 353.0; T=128 476.8, 467.4, 474.3, 476.7; T=256 559.8,
 # 539.2, 552.5, 553.4; T=512 625.5 / 686.0 (on). So on, capped, from 0.5 rows (T = 32) on the 16 x 64
-# blocks only. Why it loses at T <= 8 (a few hundred programs, 8 per SM, mostly one row each) was not
+# blocks only. The rule against inf, alternating (f18f91c, then 3a26c64): T=16 137.1, 137.1 / 136.6,
+# 137.0; T=32 234.5, 234.5, 236.0, 236.0, 234.8 / 237.7, 237.6, 239.3, 239.0, 238.4; T=64 345.0, 346.2 /
+# 352.7, 351.4; T=128 467.9, 465.8, 486.9, 465.5, 465.7 / 478.6, 476.3, 480.7, 476.1, 486.5 (two modes,
+# ~466 and ~477-487, on both sides); T=256 557.2, 547.6, 576.5, 571.1, 569.1 / 557.6, 559.6, 577.7,
+# 578.6, 577.3. Why it loses at T <= 8 (a few hundred programs, 8 per SM, mostly one row each) was not
 # measured.
 PRO_DOWN_PRELOAD_MIN_ROWS = 0.5
 # NOTE (session 32, H200, gpu_profile_layer.py --ab, 12 forwards per graph, 3 captures, us, and the
