@@ -87,8 +87,13 @@ LONG_K_SPLIT_MID = 4
 # to 0.2 rows -> to 0.3 / 0.25 rows, alternating runs): Pro-TP8 T=13 (0.203 rows) 129.3, 130.2, 130.5,
 # 129.6 -> 125.6, 125.6, 125.9, 126.3; T=14 (0.219) 131.0, 132.1, 130.8, 131.0 -> 129.9, 130.2, 129.8,
 # 129.9; T=15 (0.234) 136.1, 135.7 -> 139.2, 138.5; T=16 (0.25, 0.3 only) 136.6, 136.6 -> 141.8, 142.2.
-# So the band ends at 0.22 rows (T <= 14; was 0.2, T <= 12). T=12 117.2, 117.1 / 117.0, 116.9.
-LONG_K_SPLIT_MID_MAX_ROWS = 0.22
+# So for N <= LONG_K_SPLIT_MID_NARROW_N (the Pro-TP8 gate_up, N = 768) the band ends at 0.22 rows (T <=
+# 14; was 0.2, T <= 12). T=12 117.2, 117.1 / 117.0, 116.9. Not at Pro-TP4 (N = 1536), where the band to
+# 0.22 was slower (same bench, band to 0.22 / 0.2, us): T=13 265.3 / 255.9, 257.3; T=14 277.3 / 266.9,
+# 268.9; T=12 246.8 / 247.9, 249.0 (the same config): it keeps 0.2.
+LONG_K_SPLIT_MID_MAX_ROWS = 0.2
+LONG_K_SPLIT_MID_NARROW_MAX_ROWS = 0.22
+LONG_K_SPLIT_MID_NARROW_N = 1024
 LONG_K_SPLIT_MID_MAX_N = 2048
 MID_K_SPLIT = 2
 MID_K_SPLIT_MAX_ROWS = 0.03
@@ -261,7 +266,8 @@ def _select_mma64(rows: float, k: int, n: int = 0) -> GemmConfig:
         # then; K = 2048 split 2 ways at T = 1 since session 23 (see SHORT_K_DECODE_SPLIT)
         if rows < LONG_K_SPLIT_MAX_ROWS and k >= 6144:
             split = LONG_K_SPLIT
-        elif rows < LONG_K_SPLIT_MID_MAX_ROWS and k >= 6144 and n <= LONG_K_SPLIT_MID_MAX_N:
+        elif (rows < (LONG_K_SPLIT_MID_NARROW_MAX_ROWS if n <= LONG_K_SPLIT_MID_NARROW_N else LONG_K_SPLIT_MID_MAX_ROWS)
+              and k >= 6144 and n <= LONG_K_SPLIT_MID_MAX_N):
             split = LONG_K_SPLIT_MID
         elif rows < MID_K_SPLIT_MAX_ROWS and 4096 <= k < 6144:
             split = MID_K_SPLIT

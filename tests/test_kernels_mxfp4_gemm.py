@@ -815,10 +815,12 @@ def test_mma64_guards_and_select_config():
     assert select_config(6, 384, 7168, 384, "mma64").split_k == 1    # Pro-TP8 down: K = 384
     assert select_config(24, 256, 4096, 4096, "mma64").split_k == 1  # T=4: unsplit
     assert select_config(6, 384, 768, 7168, "mma64").split_k == 8
-    # ... 4 ways from 0.1 to 0.22 rows per expert (Pro-TP8 T = 7-14; session 43: to T = 14), only for
+    # ... 4 ways from 0.1 to 0.22 rows per expert at N <= 1024 (Pro-TP8 T = 7-14; session 43), 0.2 above; only for
     # N <= 2048 (Pro-TP8, not Pro-TP1's N = 6144)
     assert select_config(8 * 6, 384, 768, 7168, "mma64").split_k == 4
     assert [select_config(t * 6, 384, 768, 7168, "mma64").split_k for t in (12, 13, 14, 15, 16)] == [4, 4, 4, 1, 1]
+    # ... Pro-TP4's gate_up (N = 1536) keeps the band to 0.2 rows (session 43: to 0.22 was slower there)
+    assert [select_config(t * 6, 384, 1536, 7168, "mma64").split_k for t in (12, 13, 14)] == [4, 1, 1]
     assert select_config(8 * 6, 384, 6144, 7168, "mma64").split_k == 1
     assert select_config(1024 * 6, 256, 4096, 4096, "mma64").block_m == 32
     assert select_config(4096 * 6, 256, 4096, 4096, "mma64").kind == "tile"
