@@ -60,7 +60,7 @@ __all__ = ["routed_experts_forward", "routed_configs", "pairs_mode", "down_split
 # 105.0 -> 103.7, T=64 524.5 -> 510.3, T=1024 1194.0 -> 1184.7.
 SWIGLU_ROUTE_LIST_MIN_ROUTES = 12
 
-# A split-K gate_up (decode: Pro-shaped T <= 14, Flash-shaped T = 1) hands its fp32 partials
+# A split-K gate_up (decode: Pro-TP8 T <= 14, Pro-TP4 T <= 12, Flash-shaped T = 1) hands its fp32 partials
 # to the fused SwiGLU-quant, which sums them in order and rounds to bf16 as the reduce launch
 # did (`swiglu_quant_partials`): one launch fewer, the same bits (the unfused twin keeps
 # the reduce launch). NOTE (session 26, H200, gpu_profile_layer.py --ab, 12 forwards per graph,
