@@ -268,6 +268,88 @@ def test_split_gate_up_partials_summed_in_swiglu_bitwise(monkeypatch, fold):
         assert torch.equal(ys["partials"][local].view(torch.int16), ys[name][local].view(torch.int16)), name
 
 
+@pytest.mark.parametrize("i,split,t", [(128, 2, 2), (256, 4, 7)], ids=["I128-split2", "I256-split4"])
+def test_swiglu_in_gate_up_tail_bitwise(monkeypatch, i, split, t):
+    """routed_experts.SWIGLU_IN_GATE_UP (session 44): the folded split-K gate_up with 128-wide
+    N-blocks runs swiglu_quant_partials' steps in its own tail (the last program of each
+    (M-block, quant group)); y is bit for bit the two-launch path's and the unfused twin's,
+    with a route to another rank's expert, one quant group (I = 128) and two (I = 256: gate
+    N-block g pairs with up N-block 2 + g), several routes per M-block at t = 7."""
+    import dsv4_moe.kernels.routed_experts as re_mod
+
+    e, h, k = 6, 512, 3
+    routed, x, ids, tw, _ = _rank_case(23, h, i, e, k, t)
+    up = GemmConfig(16, 128, 4, 2, kind="swap", split_k=split, a_bf16=True, fold_sa=True)
+    down = GemmConfig(16, 64, 4, 2, kind="swap")
+    assert re_mod.gate_up_tail(up, i, h)
+    q, sa, pairs = act_quant(x, pairs="scaled")
+    ys = {}
+    for name, on, swiglu in (("tail", True, "fused"), ("two-launch", False, "fused"), ("unfused", True, "unfused")):
+        monkeypatch.setattr(re_mod, "SWIGLU_IN_GATE_UP", on)
+        ys[name] = routed_experts_forward(q, sa, tw, ids, routed, 10.0, swiglu, configs=(up, down), q_pairs=pairs)
+    local = ref.local_mask(ids, 1, e)
+    assert 0 < int(local.sum()) < t * k
+    assert ys["tail"][local].float().abs().sum() > 0
+    for name in ("two-launch", "unfused"):
+        assert torch.equal(ys["tail"][local].view(torch.int16), ys[name][local].view(torch.int16)), name
+
+
+def test_gate_up_swiglu_quant_outputs_and_counters():
+    """gate_up_swiglu_quant against mxfp4_grouped_gemm(reduce=False) + swiglu_quant_partials:
+    hq, hs and the scaled pairs bitwise on every route's row, at a clamp limit that binds (the
+    codes differ from limit 10's, so a limit lost on the way to the tail would show); the tile
+    counters are back at 0 after the launch, so a second launch (a graph replay) gives the
+    same bytes; a config without the tail is refused, naming why."""
+    from dsv4_moe.kernels.gate_up_swiglu import gate_up_swiglu_quant
+    from dsv4_moe.kernels.split_k import tile_counters
+    from dsv4_moe.kernels.swiglu_quant import swiglu_quant_partials
+    from dsv4_moe.weights.mma_layout import to_mma64
+
+    e, h, i, k, t = 4, 256, 256, 2, 5
+    routed, x, ids, tw, _ = _rank_case(29, h, i, e, k, t)
+    cfg = GemmConfig(16, 128, 4, 2, kind="swap", split_k=2, a_bf16=True, fold_sa=True, asm=DEV.type == "cuda")
+    w4, s4, layout = routed.gate_up, routed.gate_up_scale, "nk"
+    if DEV.type == "cuda":  # the folded swap body runs on "mma64" weights there (module docstring)
+        w4, layout = to_mma64(w4), "mma64"
+    xd, idsd, twd, w4d, s4d = (v.to(DEV) for v in (x, ids, tw, w4, s4))
+    q, sa, pairs = _act_quant(xd, pairs="scaled")
+    from dsv4_moe.kernels.moe_align import moe_align as _align
+    align = _align(idsd, e, 1, 16, twd)
+    limit = 0.5
+    kw = dict(config=cfg, layout=layout, a_pairs=pairs, a_pairs_scaled=True)
+    ws = _mxfp4_grouped_gemm(q, sa, w4d, s4d, align, gather_a=True, scatter_out=False, reduce=False, **kw)
+    want = swiglu_quant_partials(ws, align.route_rows, align.max_rows, limit=limit, route_weight=align.row_weight,
+                                 pairs="scaled")
+    rows = align.route_rows[align.route_rows >= 0].long()
+    assert 0 < rows.numel() < t * k
+    for attempt in range(2):
+        got = gate_up_swiglu_quant(q, sa, w4d, s4d, align, limit=limit, pairs="scaled", **kw)
+        assert int(tile_counters(DEV, 1)[: align.max_blocks * (i // 128)].abs().sum()) == 0, attempt
+        for name, a, b in zip(("hq", "hs", "hp"), got, want):
+            assert torch.equal(a[rows].view(torch.uint8), b[rows].view(torch.uint8)), (attempt, name)
+    loose = swiglu_quant_partials(ws, align.route_rows, align.max_rows, limit=10.0, route_weight=align.row_weight,
+                                  pairs="scaled")
+    assert not torch.equal(got[0][rows].view(torch.uint8), loose[0][rows].view(torch.uint8))  # the limit binds
+    with pytest.raises(ValueError, match="block_n 64"):
+        gate_up_swiglu_quant(q, sa, w4d, s4d, align, limit=limit, pairs="scaled",
+                             **dict(kw, config=dataclasses.replace(cfg, block_n=64)))
+
+
+def test_gate_up_tail_limits():
+    """tail_limits: only a folded split-K swap config with 128-wide N-blocks over I % 128 == 0."""
+    from dsv4_moe.kernels.gate_up_swiglu import tail_limits
+
+    ok = GemmConfig(16, 128, 4, 2, kind="swap", split_k=4, a_bf16=True, fold_sa=True)
+    assert tail_limits(ok, 768, 7168)[0]
+    for cfg, n, k, words in ((dataclasses.replace(ok, split_k=1), 768, 7168, "does not split"),
+                             (dataclasses.replace(ok, block_n=64), 768, 7168, "block_n 64"),
+                             (dataclasses.replace(ok, fold_sa=False), 768, 7168, "unfolded"),
+                             (ok, 2 * 200, 7168, "I = 200"),
+                             (GemmConfig(16, 128, 4, 2), 768, 7168, "tile body")):
+        good, why = tail_limits(cfg, n, k)
+        assert not good and words in why, (cfg, why)
+
+
 @pytest.mark.parametrize("fold", [False, True], ids=["per-block-partials", "folded-per-split"])
 def test_split_down_partials_summed_in_finalize_bitwise(fold):
     """routed_experts_forward(down_reduce=False) (FINALIZE_SUMS_SPLIT): a split-K down hands its
