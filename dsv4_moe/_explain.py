@@ -114,12 +114,7 @@ def gemm_plan(layer, num_tokens: int) -> str:
     from .kernels.mxfp4_grouped_gemm import split_parts
     parts_up = split_parts(cfgs[0], layer.config.hidden_size)
     fused = dispatch.select("swiglu_quant", layer.context(num_tokens)).name != "unfused"
-    if parts_up > 1 and fused and rx.gate_up_tail(cfgs[0], layer.config.local_intermediate(layer.tp_size),
-                                                  layer.config.hidden_size):
-        between = (f"SwiGLU-quant over the {routes} routes in the split gate_up's own tail: the last of its programs "
-                   f"per ({cfgs[0].block_m}-row block, quant group) sums the {parts_up} fp32 partials and quantises "
-                   f"(no SwiGLU launch, same bits; routed_experts.SWIGLU_IN_GATE_UP)")
-    elif parts_up > 1 and fused and rx.SWIGLU_SUMS_SPLIT:
+    if parts_up > 1 and fused and rx.SWIGLU_SUMS_SPLIT:
         between = (f"SwiGLU-quant over the {routes} routes, summing the split gate_up's {parts_up} fp32 "
                    f"partials itself (no reduce launch, same bits)")
     else:

@@ -21,7 +21,6 @@ name could not stay bound - and the function is `dsv4_moe.kernels.<name>.<name>`
     router_logits_mma    router logits on the tensor cores (T = 5-16)       router.py
     moe_align            (token, slot) pairs grouped by expert, padded      moe_align.py
     mxfp4_grouped_gemm   MXFP4 W4A8 grouped GEMM (e2m1 -> e4m3 in registers) mxfp4_grouped_gemm.py
-    gate_up_swiglu_quant the split-K gate_up with swiglu_quant in its tail  gate_up_swiglu.py
     routed_experts_forward  align -> gate_up -> swiglu_quant -> down          routed_experts.py
     finalize_shared_add  fused top-k reduce (ascending id) + shared add     finalize.py
     finalize_unfused     its bitwise two-kernel twin                        finalize.py
@@ -47,7 +46,6 @@ _EXPORTS = {
     "finalize_shared_add": "finalize", "finalize_unfused": "finalize", "finalize_partial": "finalize",
     "add_shared_round": "finalize",
     "routed_experts_forward": "routed_experts", "routed_configs": "routed_experts",
-    "gate_up_swiglu_quant": "gate_up_swiglu",
     "fhmoe_capability": "aiter_fhmoe", "prepare_shared_expert": "aiter_fhmoe", "append_shared_route": "aiter_fhmoe",
 }
 

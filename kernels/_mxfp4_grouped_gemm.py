@@ -54,8 +54,7 @@ import triton.language as tl
 from ._mxfp4_dequant import (_dequant_w, _dequant_w_asm, _dequant_w_swz_asm, _dequant_w_swz_asm_half, _mma64e_decode,
                              _mma64_tile_ptrs, _mma64_unswizzle,
                              _nibbles_to_f32)
-from ._swiglu_quant import swiglu_partials_tile
-from ._triton_utils import pdl_enter, round_to_bf16, split_k_arrive, split_k_reset
+from ._triton_utils import pdl_enter, round_to_bf16
 
 
 @triton.jit
@@ -287,13 +286,6 @@ def _mxfp4_grouped_gemm_swap_kernel(
     A_PAD: tl.constexpr = 1,  # the A row a padding row reads (_a_rows; mxfp4_grouped_gemm.A_PAD_ROWS)
     ONE_CHAIN: tl.constexpr = False,  # folded "wait": both halves as one K = 128 MMA chain (GemmConfig.one_chain)
     PRELOAD: tl.constexpr = False,  # GemmConfig.preload: every K block's weight and scale loads before the first MMA
-    # SWIGLU_TAIL (split gate_up only, kernels/gate_up_swiglu.py): the last program to finish a
-    # (M-block, quant group) runs swiglu_quant_partials' steps on that block's routes
-    SWIGLU_TAIL: tl.constexpr = False,
-    cnt_ptr=None, hq_ptr=None, hs_ptr=None, rw_ptr=None, hp_ptr=None,
-    limit=0.0, M_ROWS=0, stride_hqm=0, stride_hsm=0, stride_hsg=0, stride_hpm=0,
-    TAIL_PARTS: tl.constexpr = 1, TAIL_SCALE_FMT: tl.constexpr = 0, TAIL_PAIRS: tl.constexpr = 0,
-    TAIL_LIBDEVICE: tl.constexpr = True,
 ):
     """Swapped operands: out^T[n, rows] = W[n, k] . A^T[k, rows]. The dequantised weight
     tile is the MMA's first operand (kept in registers on Hopper: no shared-memory round
@@ -336,40 +328,6 @@ def _mxfp4_grouped_gemm_swap_kernel(
                A_GATHER, OUT_SCATTER, K, BLOCK_M, BLOCK_N, NUM_STAGES, KB_PER, SPLIT, SOFTWARE_BF16,
                SELECT_SUBNORMAL, ASM, W_SWZ, W_ENC, A_BF16, DIAG, LOOP_UNROLL, FOLD_SA, FOLD_WAIT, A_PAD, ONE_CHAIN,
                PRELOAD)
-    if SWIGLU_TAIL:
-        _swiglu_tail(pid_m, pid_n, ws_ptr, sorted_ids_ptr, N, R, cnt_ptr, hq_ptr, hs_ptr, rw_ptr, hp_ptr, limit,
-                     M_ROWS, stride_hqm, stride_hsm, stride_hsg, stride_hpm, BLOCK_M, BLOCK_N, SPLIT, FOLD_SA,
-                     TAIL_PARTS, TAIL_SCALE_FMT, TAIL_PAIRS, TAIL_LIBDEVICE)
-
-
-@triton.jit
-def _swiglu_tail(pid_m, pid_n, ws_ptr, sorted_ids_ptr, N, R, cnt_ptr, hq_ptr, hs_ptr, rw_ptr, hp_ptr, limit,
-                 M_ROWS, stride_hqm, stride_hsm, stride_hsg, stride_hpm,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FOLD_SA: tl.constexpr,
-                 PARTS: tl.constexpr, SCALE_FMT: tl.constexpr, PAIRS: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
-    """The split gate_up's SwiGLU-quant in its own launch (kernels/gate_up_swiglu.py). Quant
-    group g of I = N / 2 needs gate columns [128g, 128g + 128) and up columns I + the same,
-    i.e. N-blocks g and G + g (BLOCK_N = 128, G = I / 128) of every split: 2 x PARTS
-    programs per (M-block, g) (PARTS = the splits: one folded partial each). Each bumps the counter of its (pid_m, g) after its partials
-    are stored (split_k_arrive: CTA barrier, acq_rel at GPU scope); the last one sums the
-    block's partials and quantises them with swiglu_quant_partials' own tile code
-    (swiglu_partials_tile, the partials read through the L2), then resets the counter
-    for the next launch / graph replay. Output rows are the block's GEMM rows, as
-    swiglu_quant_partials writes at route_rows[route]; padding rows (route >= R) are skipped."""
-    tl.static_assert(SPLIT and FOLD_SA and BLOCK_N == 128, "SWIGLU_TAIL: a folded split-K swap gate_up, BLOCK_N 128")
-    i_half = N // 2
-    groups = i_half // 128
-    g = pid_n % groups
-    cnt = cnt_ptr + pid_m * groups + g
-    if split_k_arrive(cnt, 2 * PARTS):
-        split_k_reset(cnt)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        route = tl.load(sorted_ids_ptr + rows)
-        ok = route < R
-        r = tl.where(ok, route, 0).to(tl.int64)
-        swiglu_partials_tile(ws_ptr, hq_ptr, hs_ptr, rw_ptr, hp_ptr, r, rows.to(tl.int64), ok, g, M_ROWS, M_ROWS,
-                             i_half, limit, R, stride_hqm, stride_hsm, stride_hsg, stride_hpm, BLOCK_M,
-                             PARTS, SCALE_FMT, True, USE_LIBDEVICE, PAIRS, True)
 
 
 @triton.jit

@@ -213,38 +213,16 @@ def _swiglu_quant_partials_kernel(
     row = tl.load(rows_ptr + r, mask=r < R, other=-1)
     ok = (row >= 0) & (row < M)
     rows = tl.where(ok, row, M).to(tl.int64)  # M: out of range, so masked everywhere
-    swiglu_partials_tile(ws_ptr, q_ptr, s_ptr, rw_ptr, p_ptr, r, rows, ok, g, M, M_S, I, limit, R,
-                         stride_qm, stride_sm, stride_sg, stride_pm, 1, NUM_PARTS, SCALE_FMT, HAS_RW,
-                         USE_LIBDEVICE, PAIRS, False)
-
-
-@triton.jit
-def swiglu_partials_tile(ws_ptr, q_ptr, s_ptr, rw_ptr, p_ptr, r, rows, ok, g, M, M_S, I, limit, R,
-                         stride_qm, stride_sm, stride_sg, stride_pm,
-                         BLOCK_R: tl.constexpr, NUM_PARTS: tl.constexpr, SCALE_FMT: tl.constexpr,
-                         HAS_RW: tl.constexpr, USE_LIBDEVICE: tl.constexpr, PAIRS: tl.constexpr,
-                         CG: tl.constexpr):
-    """BLOCK_R routes r (int64 [BLOCK_R], their GEMM rows `rows`, `ok` where the route is
-    computed), quant group g: gate / up columns of ws [NUM_PARTS, R, 2I] summed in part
-    order from +0.0, rounded to bf16, then `_swiglu_compute_store`. Shared by
-    `_swiglu_quant_partials_kernel` (one route) and the split-K gate_up's tail
-    (`_mxfp4_grouped_gemm_swap_kernel` SWIGLU_TAIL: a 16-row M-block), so both compute the
-    same bits. CG: read the partials through the L2 (`.cg`) - the tail reads what other
-    programs of its own launch stored."""
     cols = g * 128 + tl.arange(0, 128)
     mask = ok[:, None] & (cols < I)[None, :]
     base = ws_ptr + r[:, None] * (2 * I) + cols[None, :]
-    acc_g = tl.zeros([BLOCK_R, 128], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_R, 128], dtype=tl.float32)
+    acc_g = tl.zeros([1, 128], dtype=tl.float32)
+    acc_u = tl.zeros([1, 128], dtype=tl.float32)
     # NOTE: unrolled like _split_k_reduce_kernel (independent loads issue together; the adds
     # stay in part order)
     for p in tl.static_range(NUM_PARTS):
-        if CG:
-            acc_g += tl.load(base + p * R * (2 * I), mask=mask, other=0.0, cache_modifier=".cg")
-            acc_u += tl.load(base + p * R * (2 * I) + I, mask=mask, other=0.0, cache_modifier=".cg")
-        else:
-            acc_g += tl.load(base + p * R * (2 * I), mask=mask, other=0.0)
-            acc_u += tl.load(base + p * R * (2 * I) + I, mask=mask, other=0.0)
+        acc_g += tl.load(base + p * R * (2 * I), mask=mask, other=0.0)
+        acc_u += tl.load(base + p * R * (2 * I) + I, mask=mask, other=0.0)
     gate = round_to_bf16(acc_g, not USE_LIBDEVICE).to(tl.bfloat16)
     up = round_to_bf16(acc_u, not USE_LIBDEVICE).to(tl.bfloat16)
     if HAS_RW:

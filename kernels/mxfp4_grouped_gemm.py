@@ -300,8 +300,7 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
                        align: MoeAlignment, *, gather_a: bool, scatter_out: bool,
                        out: torch.Tensor | None = None, config: GemmConfig | None = None,
                        layout: str = "nk", a_pairs: torch.Tensor | None = None,
-                       a_pairs_scaled: bool = False, reduce: bool = True,
-                       _swiglu_tail: dict | None = None) -> torch.Tensor:
+                       a_pairs_scaled: bool = False, reduce: bool = True) -> torch.Tensor:
     """Grouped W4A8 GEMM over the blocks of `align`; see the module docstring for layouts.
 
     `reduce=False` (only for a config that splits K, `split_parts(config, K) > 1`): return
@@ -314,10 +313,6 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
     by act_quant / swiglu_quant in the same kernel that wrote q), so no conversion runs here;
     with config.fold_sa they must be the scaled pairs `bf16_pairs(q, sa)` (act_quant /
     swiglu_quant pairs="scaled"), and `a_pairs_scaled=True` says they are.
-
-    `_swiglu_tail` is `gate_up_swiglu.gate_up_swiglu_quant`'s (it checks the sizes and makes
-    the arguments): with reduce=False the launch also runs swiglu_quant_partials' steps in
-    its tail and writes the dict's outputs; the partials it returns are then spent.
     """
     for name, t, optional in (("q", q, False), ("sa", sa, False), ("w4", w4, False), ("sw", sw, False),
                               ("out", out, True), ("a_pairs", a_pairs, True)):
@@ -409,10 +404,7 @@ def mxfp4_grouped_gemm(q: torch.Tensor, sa: torch.Tensor, w4: torch.Tensor, sw: 
         raise ValueError(f"config.preload=True: needs K = 384 (three 128-wide blocks) on 'mma64' / 'mma64e' weights, "
                          f"got K={k}, layout={layout!r}")
     if cfg.kind != "tile":
-        return _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz, enc, reduce,
-                             _swiglu_tail)
-    if _swiglu_tail is not None:
-        raise ValueError(f"_swiglu_tail: the tile body has no SwiGLU tail (config={cfg!r})")
+        return _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz, enc, reduce)
     grid = (align.max_blocks, triton.cdiv(n, cfg.block_n))
     _mxfp4_grouped_gemm_kernel[grid](
         q, sa, w4, sw, out,
@@ -466,11 +458,9 @@ def split_parts(config: GemmConfig, k: int) -> int:
     return _split_shape(config.split_k, k)[0] if config.fold_sa else -(-k // 128)
 
 
-def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz, enc=False, reduce=True,
-                  tail=None):
+def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, swz, enc=False, reduce=True):
     """The "swap" and "gemv" bodies, optionally split over K with an ordered reduction
-    (reduce=False: the partials are returned unreduced; `tail`: the swap kernel's SWIGLU_TAIL
-    arguments, see mxfp4_grouped_gemm's `_swiglu_tail`)."""
+    (reduce=False: the partials are returned unreduced)."""
     import triton  # noqa: PLC0415
 
     from ._mxfp4_grouped_gemm import _mxfp4_gemv_kernel, _mxfp4_grouped_gemm_swap_kernel, _split_k_reduce_kernel
@@ -495,15 +485,12 @@ def _launch_split(q, sa, w4, sw, out, align, gather_a, scatter_out, k, n, cfg, s
                   NUM_STAGES=cfg.num_stages, KB_PER=kb_per, SPLIT=split, SOFTWARE_BF16=interpreting(),
                   ASM=cfg.asm and not interpreting(),
                   num_warps=cfg.num_warps, **_launch_opts(cfg), **pdl_options(out.device))
-    if tail is not None and not (cfg.kind == "swap" and split and not reduce and cfg.fold_sa and cfg.block_n == 128):
-        raise ValueError(f"_swiglu_tail: needs a folded split-K swap config with block_n 128 and reduce=False, got "
-                         f"config={cfg!r}, reduce={reduce}")
     if cfg.kind == "swap":
         _mxfp4_grouped_gemm_swap_kernel[grid](*args, BLOCK_M=cfg.block_m, W_SWZ=swz, W_ENC=enc, A_BF16=cfg.a_bf16,
                                               DIAG=cfg.diag, LOOP_UNROLL=cfg.unroll, FOLD_SA=cfg.fold_sa,
                                               FOLD_WAIT=cfg.fold_order == "wait", N_FASTEST=cfg.n_fastest,
                                               A_PAD=A_PAD_ROWS, ONE_CHAIN=cfg.one_chain, PRELOAD=cfg.preload,
-                                              **(tail or {}), **common)
+                                              **common)
     else:
         _mxfp4_gemv_kernel[grid](*args, UNROLL=cfg.unroll, **common)
     if split and not reduce:

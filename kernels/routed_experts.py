@@ -10,9 +10,7 @@
     y     = mxfp4_grouped_gemm(hq, hs, down)            rows scattered to slot r = t*k + slot
 
 A gate_up split over K (decode) returns its fp32 partials (reduce=False) and
-swiglu_quant_partials sums them before the SwiGLU, so gu is never written (SWIGLU_SUMS_SPLIT);
-where the split gate_up allows (gate_up_swiglu.tail_limits) that SwiGLU-quant runs in the
-gate_up launch's own tail (SWIGLU_IN_GATE_UP, gate_up_swiglu.py): same bits, one launch fewer.
+swiglu_quant_partials sums them before the SwiGLU, so gu is never written (SWIGLU_SUMS_SPLIT).
 
     q             [T, H]            float8_e4m3fn   act_quant(x)
     q_pairs       [T, H] or None    bfloat16        act_quant(x, pairs=True)[2]: bf16(q) in
@@ -46,8 +44,7 @@ from dsv4_moe.weights.tensors import RoutedExpertWeights
 from .moe_align import MoeAlignment, moe_align
 from .mxfp4_grouped_gemm import GemmConfig, gemv_config, mxfp4_grouped_gemm, select_config, split_parts
 
-__all__ = ["routed_experts_forward", "routed_configs", "pairs_mode", "down_split_parts", "finalize_sums_split",
-           "gate_up_tail"]
+__all__ = ["routed_experts_forward", "routed_configs", "pairs_mode", "down_split_parts", "finalize_sums_split"]
 
 # The SwiGLU-quant between the GEMMs computes the rows of the route list (session 13) from
 # this many routes on; below it (and with a huge value, always) the row-range strategies
@@ -70,13 +67,6 @@ SWIGLU_ROUTE_LIST_MIN_ROUTES = 12
 # 3 captures, us, on / off; docs/bench/2026-11-30/session26/): Pro-TP8 T=1 34.0 / 35.0, T=8
 # 101.1 / 102.6, T=12 135.1 / 136.6. A/B switch.
 SWIGLU_SUMS_SPLIT = True
-# ... and where that split gate_up is a folded swap body with 128-wide N-blocks (every split
-# gate_up routed_configs returns for I % 128 == 0: Pro-TP8 T <= 14, Pro-TP4 T <= 12, Flash-shaped
-# T = 1), the gate_up runs that SwiGLU-quant in its own tail: each (M-block, quant group)'s
-# last program to finish does it (`gate_up_swiglu.gate_up_swiglu_quant`), so the SwiGLU-quant
-# launch and its dependent-launch gap leave the critical path. Same bits (the same Triton tile
-# code as swiglu_quant_partials). Session 44, A/B switch (False: the two launches).
-SWIGLU_IN_GATE_UP = True
 
 # A split-K down GEMM (decode: Flash-shaped T = 1) can likewise hand its fp32 partials to the
 # fused finalize + shared add, which makes each route's row as the reduce launch does (bf16 of
@@ -730,14 +720,6 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
 
     # the split-K gate_up hands its partials to the SwiGLU-quant, which sums them (SWIGLU_SUMS_SPLIT)
     partials = swiglu == "fused" and SWIGLU_SUMS_SPLIT and split_parts(cfg_up, h) > 1
-    if partials and gate_up_tail(cfg_up, i, h):
-        from .gate_up_swiglu import gate_up_swiglu_quant
-
-        hq, hs, *hp = gate_up_swiglu_quant(q, sa, routed.gate_up, routed.gate_up_scale, align, config=cfg_up,
-                                           layout=routed.layout, a_pairs=q_pairs if cfg_up.a_bf16 else None,
-                                           a_pairs_scaled=cfg_up.fold_sa and cfg_up.a_bf16 and q_pairs is not None,
-                                           limit=float(limit), pairs=pairs_mode(cfg_down))
-        return _down(hq, hs, hp, routed, align, y, cfg_down, down_reduce, down_parts, t, k, h, return_alignment)
     gu = mxfp4_grouped_gemm(q, sa, routed.gate_up, routed.gate_up_scale, align,
                             gather_a=True, scatter_out=False, config=cfg_up, layout=routed.layout,
                             a_pairs=q_pairs if cfg_up.a_bf16 else None,
@@ -764,22 +746,9 @@ def routed_experts_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torc
     else:
         hq, hs, *hp = swiglu_quant_unfused(gu, limit=float(limit), route_weight=align.row_weight,
                                            pairs=pairs_mode(cfg_down), **sel)
-    return _down(hq, hs, hp, routed, align, y, cfg_down, down_reduce, down_parts, t, k, h, return_alignment)
-
-
-def _down(hq, hs, hp, routed, align, y, cfg_down, down_reduce, down_parts, t, k, h, return_alignment):
-    """routed_experts_forward's down GEMM on the SwiGLU-quant's outputs."""
     out = mxfp4_grouped_gemm(hq, hs, routed.down, routed.down_scale, align,
                              gather_a=False, scatter_out=True, out=y, config=cfg_down, layout=routed.layout,
                              a_pairs=hp[0] if hp else None, a_pairs_scaled=bool(hp) and cfg_down.fold_sa,
                              reduce=down_reduce)
     out = out.view(t, k, h) if down_reduce else out.view(down_parts, t, k, h)
     return (out, align) if return_alignment else out
-
-
-def gate_up_tail(cfg_up: GemmConfig, intermediate: int, hidden: int) -> bool:
-    """Whether the fused path's split gate_up runs the SwiGLU-quant in its tail
-    (SWIGLU_SUMS_SPLIT and SWIGLU_IN_GATE_UP on, and gate_up_swiglu.tail_limits)."""
-    from .gate_up_swiglu import tail_limits
-
-    return bool(SWIGLU_SUMS_SPLIT and SWIGLU_IN_GATE_UP) and tail_limits(cfg_up, 2 * intermediate, hidden)[0]

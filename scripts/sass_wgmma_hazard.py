@@ -127,8 +127,7 @@ def compile_swap(consts: dict, num_warps: int = 4, maxnreg: int | None = None, k
     names = fn.arg_names
     ptr = {"a_ptr": "*bf16" if consts.get("A_BF16") else "*fp8e4nv", "sa_ptr": "*fp32", "w_ptr": "*u8",
            "sw_ptr": "*u8", "out_ptr": "*bf16", "ws_ptr": "*fp32", "sorted_ids_ptr": "*i32",
-           "block_expert_ptr": "*i32", "num_blocks_ptr": "*i32", "cnt_ptr": "*i32", "hq_ptr": "*u8",
-           "hs_ptr": "*fp32", "rw_ptr": "*fp32", "hp_ptr": "*bf16", "limit": "fp32"}  # the last six: SWIGLU_TAIL
+           "block_expert_ptr": "*i32", "num_blocks_ptr": "*i32"}
     consts = {k: v for k, v in consts.items() if k in names}
     sig = {n: ("constexpr" if n in consts else ptr.get(n, "i32")) for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
@@ -210,29 +209,12 @@ def config_constexprs(cfg, k: int, gather: bool) -> dict:
                 A_BF16=cfg.a_bf16, DIAG=0, LOOP_UNROLL=cfg.unroll, PDL=1, FOLD_SA=cfg.fold_sa,
                 A_SPLIT=cfg.a_split, W_KN=cfg.w_kn, SCALE_BCAST=cfg.scale_bcast,
                 FOLD_WAIT=cfg.fold_order == "wait", N_FASTEST=cfg.n_fastest, W_ENC=False, A_PAD=_a_pad(),
-                ONE_CHAIN=cfg.one_chain, PRELOAD=cfg.preload, **_TAIL_OFF)
-
-
-# the SwiGLU tail's arguments as a launch without it passes them (defaults: None / 0)
-_TAIL_OFF = dict(SWIGLU_TAIL=False, cnt_ptr=None, hq_ptr=None, hs_ptr=None, rw_ptr=None, hp_ptr=None, limit=0.0,
-                 M_ROWS=0, stride_hqm=0, stride_hsm=0, stride_hsg=0, stride_hpm=0)
-
-
-def tail_constexprs(cfg, k: int) -> dict:
-    """The constexprs gate_up_swiglu_quant adds to a split gate_up's launch (SWIGLU_TAIL, the
-    layer's "scaled" pairs and fp32 scales); its pointers and sizes become arguments."""
-    from dsv4_moe.kernels._triton_utils import SCALE_FMTS
-    from dsv4_moe.kernels.mxfp4_grouped_gemm import split_parts
-    return dict(SWIGLU_TAIL=True, TAIL_PARTS=split_parts(cfg, k), TAIL_SCALE_FMT=SCALE_FMTS["fp32"], TAIL_PAIRS=2,
-                TAIL_LIBDEVICE=True)
+                ONE_CHAIN=cfg.one_chain, PRELOAD=cfg.preload)
 
 
 def _a_pad() -> int:
     from dsv4_moe.kernels import mxfp4_grouped_gemm as mg
     return mg.A_PAD_ROWS
-
-
-_I = {"flash": 2048, "pro-tp8": 384}  # the intermediate per rank of default_configs' layers
 
 
 def default_configs(layout: str = "mma64e"):
@@ -316,8 +298,6 @@ def load_schedule(ins: list[tuple[int, str]]) -> dict:
 
 def _row(label, cfg, k, gather, extra=None):
     consts = dict(config_constexprs(cfg, k, gather), **(extra or {}))
-    if consts.get("SWIGLU_TAIL"):
-        consts = {key: v for key, v in consts.items() if key not in _TAIL_OFF or key == "SWIGLU_TAIL"}
     sass, regs, stack = compile_swap(consts, cfg.num_warps, cfg.maxnreg, "swap" if cfg.kind == "swap" else "tile")
     ins = parse_sass(sass)
     words = enc_word_sources(compile_swap.last_ptx) if consts.get("W_ENC") else None
@@ -357,9 +337,6 @@ def main():
             for label, cfg, k, gather in default_configs(args.layout):
                 keyed.setdefault((cfg, k, gather), label + ("" if fold_swap else " (FOLD_SWAP=0)"))
         rows = [(label, cfg, k, gather, {"W_ENC": args.layout == "mma64e"}) for (cfg, k, gather), label in keyed.items()]
-        # the split gate_ups that run the SwiGLU-quant in their tail (routed_experts.gate_up_tail)
-        rows += [(label + " +swiglu tail", cfg, k, gather, {"W_ENC": args.layout == "mma64e", **tail_constexprs(cfg, k)})
-                 for label, cfg, k, gather, _ in list(rows) if gather and rx.gate_up_tail(cfg, _I[label.split()[0]], k)]
     result, bad_words = {}, []
     for label, cfg, k, gather, extra in rows:
         found, regs, stack, counts, words = _row(label, cfg, k, gather, extra)

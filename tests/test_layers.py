@@ -144,13 +144,6 @@ def test_explain_routed_gemm_plan(monkeypatch):
         m.setattr(dispatch, "select", patched)
         m.setattr(rx, "SWIGLU_SUMS_SPLIT", False)
         assert "after the split gate_up's reduce launch (2 fp32 partials)" in layer.explain(1)
-        # folded with 128-wide N-blocks over I % 128 == 0: the SwiGLU-quant in the gate_up's tail
-        m.setattr(rx, "SWIGLU_SUMS_SPLIT", True)
-        tail_up = GemmConfig(16, 128, 4, 4, kind="swap", split_k=2, a_bf16=True, fold_sa=True)
-        m.setattr(rx, "routed_configs", lambda routes, routed: (tail_up, down))
-        assert "in the split gate_up's own tail" in layer.explain(1), layer.explain(1)
-        m.setattr(rx, "SWIGLU_IN_GATE_UP", False)
-        assert "summing the split gate_up's 2 fp32 partials itself (no reduce launch" in layer.explain(1)
     assert "fp32 partials" not in layer.explain(16)
     monkeypatch.setattr(rx, "FOLD_SWAP", False)
     assert "per-128-block scaling (DSV4_MOE_FOLD_SWAP=0)" in layer.explain(16)
