@@ -105,13 +105,16 @@ def _router_logits_mma_kernel(
     q_ptr=None, s_ptr=None, p_ptr=None,  # QUANT: act_quant(x) outputs (see _quant_share)
     stride_q=0, stride_s=0, stride_p=0, quant_step=1,
     QUANT: tl.constexpr = False, PAIRS: tl.constexpr = 0, QUANT_ROUNDS: tl.constexpr = 1,
+    ARRIVE: tl.constexpr = True,  # False (SPLITS > 1): only the partials; the top-k kernel sums them
 ):
     """logits[t, e] = sum_h x[t, h] * W[e, h] on the tensor cores (weights x tokens, so a
     [BLOCK_E, BLOCK_T] tile per program and K_PER of H), fp32 accumulation; bf16 x bf16
     products are exact in fp32, so only the summation order differs from the reference (as
     with cuBLAS). Grid (cdiv(E, BLOCK_E), SPLITS, cdiv(T, BLOCK_T)): with SPLITS > 1 each
     program stores its partial and the last one of a tile to arrive (`split_k_arrive`) sums
-    the SPLITS partials in split order from +0.0 - deterministic, one launch.
+    the SPLITS partials in split order from +0.0 - deterministic, one launch. ARRIVE=False:
+    the partials only (no counter, no fence, no reduction); `_topk_token` (PARTS = SPLITS)
+    then makes the same sum itself.
     SOFTWARE (the interpreter, whose bf16 dot is not exact): fp32 operands, IEEE dot.
     QUANT: the programs of each K chunk also quantise x's 128-column groups of that chunk
     (act_quant, fp32 scales), group j of the chunk by gate-row program j mod quant_step (=
@@ -144,13 +147,14 @@ def _router_logits_mma_kernel(
     else:
         w_off = tt.to(tl.int64)[None, :] * E + ee[:, None]
         tl.store(ws_ptr + pid_s * T * E + w_off, acc, mask=ok)
-        tile = pid_t * tl.num_programs(0) + pid_e
-        if split_k_arrive(cnt_ptr + tile, SPLITS):
-            tot = tl.zeros([BLOCK_E, BLOCK_T], dtype=tl.float32)
-            for s in tl.static_range(SPLITS):
-                tot += tl.load(ws_ptr + s * T * E + w_off, mask=ok, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + o_off, tot, mask=ok)
-            split_k_reset(cnt_ptr + tile)
+        if ARRIVE:  # (nested, not `and`: the arrival must not be emitted without it)
+            tile = pid_t * tl.num_programs(0) + pid_e
+            if split_k_arrive(cnt_ptr + tile, SPLITS):
+                tot = tl.zeros([BLOCK_E, BLOCK_T], dtype=tl.float32)
+                for s in tl.static_range(SPLITS):
+                    tot += tl.load(ws_ptr + s * T * E + w_off, mask=ok, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + o_off, tot, mask=ok)
+                split_k_reset(cnt_ptr + tile)
     if QUANT:
         _quant_share(x_ptr, q_ptr, s_ptr, p_ptr, pid_t, T, stride_x, stride_q, stride_s, stride_p,
                      pid_e, quant_step, k0 // 128, tl.minimum(k0 + K_PER, (H + 127) // 128 * 128) // 128, H,
@@ -222,11 +226,13 @@ def _route_topk_kernel(
     APPLY_SCORES: tl.constexpr = False,  # GPU only: read logits, apply _sqrt_softplus here
     PDL: tl.constexpr = 0,  # pdl_enter: programmatic dependent launch
     PACKED: tl.constexpr = False,  # one packed (score, index) max per round (_topk_token)
+    PARTS: tl.constexpr = 1,  # > 1: scores_ptr holds PARTS logit partials [PARTS, T, E] (_topk_token)
+    part_stride=0,            # elements between two partials (T * E)
 ):
     pdl_enter(PDL)
     _topk_token(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out_ids_ptr,
                 tl.program_id(0).to(tl.int64), E, stride_s, stride_tab, scale,
-                TOP_K, K_PAD, E_PAD, HAS_BIAS, HASH, APPLY_SCORES, PACKED)
+                TOP_K, K_PAD, E_PAD, HAS_BIAS, HASH, APPLY_SCORES, PACKED, PARTS, part_stride)
 
 
 @triton.jit
@@ -234,9 +240,11 @@ def _topk_token(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out
                 t, E, stride_s, stride_tab, scale,
                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
                 HAS_BIAS: tl.constexpr, HASH: tl.constexpr, APPLY_SCORES: tl.constexpr,
-                PACKED: tl.constexpr = False):
+                PACKED: tl.constexpr = False, PARTS: tl.constexpr = 1, part_stride=0):
     """Route token t (the top-k program's body; `_topk_tokens` is its all-tokens-at-once
-    twin). Selection, gather and the renormalisation are exact selects and a fixed
+    twin). PARTS > 1: the logits are the split-K partials of `_router_logits_mma_kernel`
+    (ARRIVE=False), summed here in split order from +0.0 - the sum that kernel's last
+    program makes, so the same logits bit for bit. Selection, gather and the renormalisation are exact selects and a fixed
     left-to-right sum, so the result does not depend on the program's warps.
 
     PACKED: each round is one int64 max over keys (order-preserving bits of the biased
@@ -248,7 +256,12 @@ def _topk_token(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out
     equal in the unpacked rounds."""
     col = tl.arange(0, E_PAD)
     in_range = col < E
-    scores = tl.load(scores_ptr + t * stride_s + col, mask=in_range, other=0.0)
+    if PARTS == 1:
+        scores = tl.load(scores_ptr + t * stride_s + col, mask=in_range, other=0.0)
+    else:
+        scores = tl.zeros([E_PAD], dtype=tl.float32)
+        for p in tl.static_range(PARTS):
+            scores += tl.load(scores_ptr + p * part_stride + t * stride_s + col, mask=in_range, other=0.0)
     if APPLY_SCORES:
         scores = _sqrt_softplus(scores)
     kk = tl.arange(0, K_PAD)

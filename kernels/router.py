@@ -43,7 +43,7 @@ from dsv4_moe._types import is_int, is_real
 
 __all__ = ["route_topk", "router_logits", "router_logits_gemv", "router_logits_mma", "gemv_blocks", "gemv_prewait",
            "mma_blocks", "logits_path", "logits_fn",
-           "GEMV_MAX_T", "GEMV_PREWAIT", "MMA_MAX_T", "check_route_args"]
+           "GEMV_MAX_T", "GEMV_PREWAIT", "MMA_MAX_T", "MMA_PARTIALS_IN_TOPK", "check_route_args"]
 
 _E_MAX = 4096  # one register vector per token; DeepSeek-V4 has E <= 384
 # NOTE: the logits GEMV replaces cuBLAS up to this many tokens. H200, CUDA graphs, gate
@@ -87,6 +87,14 @@ GEMV_PREWAIT_MAX_H = 4096
 # 159.1, T=32 275.8 / 273.9 (captures 274.7-276.9 / 273.6-276.9). So chunks of 512, to T = 16.
 # A/B switch: MMA_MAX_T = 0.
 MMA_MAX_T = 16
+# The tensor-core logits (T = 5-16) are split over H; their partials used to be summed by each
+# tile's last program in the same launch (an arrival counter: a CTA barrier and an acq_rel atomic
+# after every program's store, then one program's ordered sum). With MMA_PARTIALS_IN_TOPK the
+# launch only stores the partials and the top-k kernel, which reads the logits anyway, sums them
+# in the same order (`_topk_token` PARTS): the same logits bit for bit, no fence and no serial sum
+# between the two launches. Session 44 (the split-K gate_up with its SwiGLU in its tail measured
+# the per-program release + atomic at 4-9 us over ~1300 programs); A/B switch (False: the arrival).
+MMA_PARTIALS_IN_TOPK = True
 # K chunk per program of router_logits_mma (a multiple of 128): H / MMA_K_PER splits
 MMA_K_PER = 512
 # gate rows per program of router_logits_mma (a power of two >= 16) and its warps.
@@ -236,10 +244,14 @@ def mma_blocks(t: int, e: int, h: int) -> tuple[int, int, int, int, int]:
 
 def router_logits_mma(x: torch.Tensor, weight: torch.Tensor,
                       blocks: tuple[int, int, int, int, int] | None = None,
-                      num_warps: int | None = None, quant=None) -> torch.Tensor:
+                      num_warps: int | None = None, quant=None, reduce: bool = True) -> torch.Tensor:
     """[T, H] bf16 @ [E, H]^T (bf16) -> [T, E] float32 by the Triton tensor-core kernel
     (`_router_logits_mma_kernel`, one launch); `blocks` overrides `mma_blocks` and
-    `num_warps` MMA_NUM_WARPS (probes); `quant` as in router_logits_gemv."""
+    `num_warps` MMA_NUM_WARPS (probes); `quant` as in router_logits_gemv.
+
+    reduce=False: the split-K partials [P, T, E] instead (P = the splits over H; [1, T, E], the
+    logits, when H is not split): logits = +0.0 + partials[0] + ... + partials[P-1] in fp32,
+    the sum the kernel's last program would make - left to the top-k kernel (PARTS)."""
     import triton  # noqa: PLC0415
 
     from ._router import _router_logits_mma_kernel
@@ -252,7 +264,7 @@ def router_logits_mma(x: torch.Tensor, weight: torch.Tensor,
            f"router_logits_mma: x and weight must be bfloat16, got {x.dtype} / {weight.dtype}")
     out = torch.empty((t, e), dtype=torch.float32, device=x.device)
     if t == 0:
-        return out
+        return out if reduce else out.view(1, t, e)
     be, bt, bk, k_per, splits = blocks or mma_blocks(t, e, h)
     _check(k_per % bk == 0 and splits * k_per >= h,
            f"router_logits_mma: blocks={blocks!r}: K_PER must be a multiple of BLOCK_K and cover H={h}")
@@ -265,8 +277,10 @@ def router_logits_mma(x: torch.Tensor, weight: torch.Tensor,
         x, weight, out, ws, cnt, t, e, x.stride(0), weight.stride(0), out.stride(0),
         H=h, BLOCK_E=be, BLOCK_T=bt, BLOCK_K=bk, K_PER=k_per, SPLITS=splits, SOFTWARE=interpreting(),
         num_warps=num_warps or MMA_NUM_WARPS, **pdl_options(x.device),
-        **_quant_args(quant, grid[0], k_per // 128))
-    return out
+        **_quant_args(quant, grid[0], k_per // 128), ARRIVE=reduce)
+    if reduce:
+        return out
+    return ws if splits > 1 else out.view(1, t, e)
 
 
 def logits_path(t: int, weight_dtype: torch.dtype, logits_impl: str = "auto", cuda: bool = True) -> str:
@@ -371,12 +385,21 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     _check(quant is None or path != "mm",
            f"act_quant={act_quant!r}: x is quantised inside the Triton logits launch, but logits_impl="
            f"{logits_impl!r} takes cuBLAS / torch here (T={t}, weight {weight.dtype}, {x.device}); see logits_path")
-    logits = logits_fn(path)(x, weight) if path == "mm" else logits_fn(path)(x, weight, quant=quant)
+    apply_scores = scores_impl == "kernel" or (scores_impl == "auto" and on_gpu)
+    # the tensor-core logits' split-K partials go to the top-k kernel unreduced (it sums them)
+    # where the scores are made there (MMA_PARTIALS_IN_TOPK; see the note above it)
+    in_topk = path == "mma" and apply_scores and MMA_PARTIALS_IN_TOPK
+    if path == "mm":
+        logits = logits_fn(path)(x, weight)
+    elif in_topk:
+        logits = router_logits_mma(x, weight, quant=quant, reduce=False)   # [P, T, E]
+    else:
+        logits = logits_fn(path)(x, weight, quant=quant)
     if after_logits is not None:
         _check(quant is not None, "after_logits: needs act_quant (it is handed the quantised x)")
         after_logits(*extra)
-    apply_scores = scores_impl == "kernel" or (scores_impl == "auto" and on_gpu)
     scores = logits if apply_scores else torch.sqrt(torch.nn.functional.softplus(logits))
+    parts = logits.shape[0] if in_topk else 1
     import triton  # noqa: PLC0415  (lazy: importing dsv4_moe.kernels never needs triton)
 
     from ._router import _route_topk_kernel
@@ -387,12 +410,12 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         tid2eid.contiguous() if hashed else dummy,
         input_ids.contiguous() if hashed else dummy,
         out_w, out_ids,
-        e, scores.stride(0), tid2eid.shape[1] if hashed else 0,
+        e, scores.stride(-2), tid2eid.shape[1] if hashed else 0,
         float(routed_scaling_factor),
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(e),
         HAS_BIAS=bias is not None, HASH=hashed, APPLY_SCORES=apply_scores,
         num_warps=TOPK_WARPS if TOPK_WARPS else (4 if e > 256 else 2),
-        PACKED=TOPK_PACKED and t <= TOPK_PACKED_MAX_T,
+        PACKED=TOPK_PACKED and t <= TOPK_PACKED_MAX_T, PARTS=parts, part_stride=t * e if parts > 1 else 0,
         # NOTE: libdevice without flush-to-zero, as nvcc builds torch: with Triton's default
         # (ftz) the scores of 2,180,453 fp32 logits in [-103.97, -87.34] (torch's softplus
         # is subnormal there) came out 0 instead of torch's value (exhaustive H200 check)

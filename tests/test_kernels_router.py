@@ -149,6 +149,84 @@ def test_logits_mma(t, e, h, blocks):
     assert ((shifted.double() - exact).abs() > bound).any()
 
 
+@pytest.mark.parametrize("t,e,h,blocks", [(8, 384, 640, None), (9, 96, 1024, (32, 16, 128, 256, 4)),
+                                           (3, 40, 384, (64, 16, 128, 384, 1))])
+def test_logits_mma_partials(t, e, h, blocks):
+    """router_logits_mma(reduce=False) (router.MMA_PARTIALS_IN_TOPK, session 44): the split-K
+    partials [P, T, E], whose in-order fp32 sum from +0.0 is the reduced launch's output bit for
+    bit ([1, T, E] = the logits when H is not split); no arrival counter is touched."""
+    from dsv4_moe.kernels.split_k import tile_counters
+
+    g = torch.Generator().manual_seed(t + e + h)
+    xd = torch.randn(t, h, generator=g).bfloat16().to(DEV)
+    wd = (torch.randn(e, h, generator=g) * 0.05).bfloat16().to(DEV)
+    want = router_logits_mma(xd, wd, blocks)
+    parts = router_logits_mma(xd, wd, blocks, reduce=False)
+    splits = (blocks or mma_blocks(t, e, h))[4]
+    assert parts.shape == (splits, t, e) and parts.dtype == torch.float32
+    acc = torch.zeros(t, e, device=DEV)
+    for p in range(splits):
+        acc = acc + parts[p]
+    assert torch.equal(acc.view(torch.int32), want.view(torch.int32))
+    assert (splits == 1) == torch.equal(parts[0], want)
+    assert int(tile_counters(xd.device, 1).abs().sum()) == 0
+
+
+def _topk_launch(scores, parts, t, e, k, bias, apply_scores):
+    """_route_topk_kernel on `scores` ([T, E] logits, or [P, T, E] partials when parts > 1)."""
+    import triton
+
+    from dsv4_moe.kernels._router import _route_topk_kernel
+    out_w = torch.empty((t, k), dtype=torch.float32, device=scores.device)
+    out_ids = torch.empty((t, k), dtype=torch.int32, device=scores.device)
+    _route_topk_kernel[(t,)](scores, bias, scores, scores, out_w, out_ids, e, scores.stride(-2), 0, SCALE,
+                             TOP_K=k, K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(e),
+                             HAS_BIAS=True, HASH=False, APPLY_SCORES=apply_scores, num_warps=4, PACKED=True,
+                             PARTS=parts, part_stride=t * e if parts > 1 else 0,
+                             **({} if DEV.type == "cpu" else {"enable_reflect_ftz": False}))
+    return out_w, out_ids
+
+
+@pytest.mark.parametrize("t,e,h,k", [(9, 384, 1024, 6), (16, 256, 768, 6), (5, 70, 512, 3)])
+def test_topk_sums_logit_partials_same_bits(t, e, h, k):
+    """The top-k kernel on the tensor-core logits' partials (PARTS > 1) picks the same ids with
+    the same weights, bit for bit, as on the logits the arrival reduction makes - on raw logits
+    here (the interpreter has no libdevice), with the scores applied in the kernel on a GPU."""
+    g = torch.Generator().manual_seed(t * e)
+    xd = torch.randn(t, h, generator=g).bfloat16().to(DEV)
+    wd = (torch.randn(e, h, generator=g) * 0.05).bfloat16().to(DEV)
+    bias = (torch.randn(e, generator=g) * 0.1).to(DEV)
+    blocks = (32, 16, 128, 256, -(-h // 256))
+    logits = router_logits_mma(xd, wd, blocks)
+    parts = router_logits_mma(xd, wd, blocks, reduce=False)
+    assert parts.shape[0] > 1
+    for apply in (False,) if DEV.type == "cpu" else (False, True):
+        w0, i0 = _topk_launch(logits, 1, t, e, k, bias, apply)
+        w1, i1 = _topk_launch(parts, parts.shape[0], t, e, k, bias, apply)
+        assert torch.equal(i0, i1) and torch.equal(w0.view(torch.int32), w1.view(torch.int32)), apply
+    # negative control: a partial dropped moves some pick or weight
+    w2, i2 = _topk_launch(parts[1:].contiguous(), parts.shape[0] - 1, t, e, k, bias, False)
+    w0, i0 = _topk_launch(logits, 1, t, e, k, bias, False)
+    assert not (torch.equal(i0, i2) and torch.equal(w0, w2))
+
+
+@pytest.mark.skipif(DEV.type == "cpu", reason="route_topk applies the scores in the kernel on a GPU only "
+                    "(libdevice); the interpreter runs test_topk_sums_logit_partials_same_bits instead")
+@pytest.mark.parametrize("t", [5, 9, 16])
+def test_route_topk_partials_switch_same_bits(monkeypatch, t):
+    """route_topk at T = 5-16 (tensor-core logits): MMA_PARTIALS_IN_TOPK on and off give the same
+    ids, weights and act_quant outputs, bit for bit."""
+    import dsv4_moe.kernels.router as router
+
+    x, w, bias = _inputs(t, 7168, 384, t)
+    out = {}
+    for on in (True, False):
+        monkeypatch.setattr(router, "MMA_PARTIALS_IN_TOPK", on)
+        out[on] = route_topk(x, w, bias, None, None, 6, SCALE, act_quant="scaled")
+    for a, b in zip(out[True], out[False]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 def test_logits_mma_blocks_and_guards():
     for t in range(1, 65):
         be, bt, bk, k_per, splits = mma_blocks(t, 384, 7168)
