@@ -17,8 +17,9 @@ Design (measured with `scripts/gpu_check_router.py`; `gpu_check_routed.py` times
 * logits, fp32 accumulation (bf16 x bf16 products are exact in fp32, so only the
   summation order can differ from `x.float() @ W.float().T`): for T <= GEMV_MAX_T on a
   GPU a Triton GEMV over the gate weight (one launch), up to MMA_MAX_T a Triton
-  tensor-core kernel split over H with its ordered reduction in the same launch, else one
-  cuBLAS call (`logits_impl` forces any);
+  tensor-core kernel split over H whose partials the top-k kernel sums in order on a GPU
+  (MMA_PARTIALS_IN_TOPK; elsewhere, and with it off, the kernel's own ordered reduction in
+  the same launch), else one cuBLAS call (`logits_impl` forces any);
 * scores `sqrt(softplus(logits))`: on a GPU computed inside the top-k kernel with
   libdevice `log1p`/`exp` and the IEEE square root, bitwise torch's CUDA `softplus` +
   `sqrt` for every fp32 input (exhaustive H200 check in `scripts/gpu_check_router.py`);
@@ -92,8 +93,12 @@ MMA_MAX_T = 16
 # after every program's store, then one program's ordered sum). With MMA_PARTIALS_IN_TOPK the
 # launch only stores the partials and the top-k kernel, which reads the logits anyway, sums them
 # in the same order (`_topk_token` PARTS): the same logits bit for bit, no fence and no serial sum
-# between the two launches. Session 44 (the split-K gate_up with its SwiGLU in its tail measured
-# the per-program release + atomic at 4-9 us over ~1300 programs); A/B switch (False: the arrival).
+# between the two launches. NOTE (session 44, H200, the layer bench, graph-chain, alternating, us,
+# on / off; docs/bench/2026-12-01/session44/all_call6_d67574d.log): Pro-TP8 T=5 69.6, 69.6 / 70.4,
+# 70.5; T=8 91.3, 90.9 / 91.9, 91.7; T=9 95.7, 96.2 / 96.8, 97.0; T=12 115.3, 115.3 / 116.8, 117.0;
+# T=16 135.7, 136.4 / 137.6, 137.4; Flash T=8 196.3 / 197.0. Tried after the same session's split-K
+# gate_up with its SwiGLU-quant in its tail (a per-program arrival over ~1300 programs) made the
+# layer 4-9 us slower. A/B switch (False: the arrival in the logits launch).
 MMA_PARTIALS_IN_TOPK = True
 # K chunk per program of router_logits_mma (a multiple of 128): H / MMA_K_PER splits
 MMA_K_PER = 512
