@@ -93,7 +93,8 @@ def router_triton_supported(ctx: DispatchContext):
     prewait = " with its gate rows loaded before the PDL wait" if ctx.hidden and rt.gemv_prewait(
         ctx.num_tokens, ctx.hidden, rt.gemv_blocks(ctx.num_tokens, ctx.hidden)[2]) else ""
     logits = (f"logits by the Triton GEMV (T <= {gemv_max}){prewait}" if gpu and ctx.num_tokens <= gemv_max
-              else f"logits by the Triton tensor-core kernel (T <= {mma_max}, bf16 gate)"
+              else f"logits by the Triton tensor-core kernel (T <= {mma_max}, bf16 gate" + (
+                  ", its split-K partials summed by the top-k kernel)" if rt.MMA_PARTIALS_IN_TOPK else ")")
               if gpu and ctx.num_tokens <= mma_max
               else "logits by cuBLAS (fp32 out)" if gpu else "logits by torch matmul")
     scores = ("sqrt(softplus) in the top-k kernel (libdevice, bitwise torch's)" if gpu

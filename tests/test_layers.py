@@ -188,7 +188,15 @@ def test_explain_router_sub_choices(monkeypatch):
         return dispatch.explain(DispatchContext(device=torch.device("cuda"), num_tokens=t), ["router"])
 
     assert f"logits by the Triton GEMV (T <= {GEMV_MAX_T})" in reason(1)
+    assert (f"logits by the Triton tensor-core kernel (T <= {MMA_MAX_T}, bf16 gate, its split-K partials summed by "
+            f"the top-k kernel)") in reason(GEMV_MAX_T + 1)
+    from dsv4_moe.kernels import router as rt
+
+    monkeypatch.setattr(rt, "MMA_PARTIALS_IN_TOPK", False)
+    dispatch.clear_plan_cache()
     assert f"logits by the Triton tensor-core kernel (T <= {MMA_MAX_T}, bf16 gate)" in reason(GEMV_MAX_T + 1)
+    monkeypatch.setattr(rt, "MMA_PARTIALS_IN_TOPK", True)
+    dispatch.clear_plan_cache()
     assert "logits by cuBLAS (fp32 out)" in reason(MMA_MAX_T + 1)
     assert "sqrt(softplus) in the top-k kernel" in reason(1)
     from dsv4_moe.kernels import router as router_mod
