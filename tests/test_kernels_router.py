@@ -215,16 +215,20 @@ def test_topk_sums_logit_partials_same_bits(t, e, h, k):
 @pytest.mark.parametrize("t", [5, 9, 16])
 def test_route_topk_partials_switch_same_bits(monkeypatch, t):
     """route_topk at T = 5-16 (tensor-core logits): MMA_PARTIALS_IN_TOPK on and off give the same
-    ids, weights and act_quant outputs, bit for bit."""
+    ids, weights and act_quant outputs, bit for bit - biased top-k and a hash layer (tid2eid)."""
     import dsv4_moe.kernels.router as router
 
     x, w, bias = _inputs(t, 7168, 384, t)
-    out = {}
-    for on in (True, False):
-        monkeypatch.setattr(router, "MMA_PARTIALS_IN_TOPK", on)
-        out[on] = route_topk(x, w, bias, None, None, 6, SCALE, act_quant="scaled")
-    for a, b in zip(out[True], out[False]):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    g = torch.Generator().manual_seed(t)
+    tid2eid = torch.stack([torch.randperm(384, generator=g)[:6] for _ in range(50)]).int().to(DEV)
+    input_ids = torch.randint(0, 50, (t,), generator=g).to(DEV)
+    for args in ((bias, None, None), (None, tid2eid, input_ids)):
+        out = {}
+        for on in (True, False):
+            monkeypatch.setattr(router, "MMA_PARTIALS_IN_TOPK", on)
+            out[on] = route_topk(x, w, *args, 6, SCALE, act_quant="scaled")
+        for a, b in zip(out[True], out[False]):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), args[0] is None
 
 
 def test_logits_mma_blocks_and_guards():
