@@ -109,11 +109,6 @@ MMA_K_PER = 512
 # 5.89 / 6.13 (chunks of 256 or 1024, 8 or 2 warps: no better). So 32 rows (168 programs at Pro).
 MMA_BLOCK_E = 32
 MMA_NUM_WARPS = 4
-# K step of router_logits_mma's loop (a multiple of 128 dividing MMA_K_PER). With 128 a chunk of 512 is
-# four steps, of which Triton's pipeline (3 stages) has two in flight: two DRAM round trips per program.
-# 256: both steps' loads issued before the first MMA (one round trip). Same products, same fp32 chain
-# (the MMA instructions accumulate k in the same order either way). A/B switch (session 45).
-MMA_BLOCK_K = 128
 # act_quant(x) inside the logits launch (route_topk's `act_quant`; the decode front's
 # "quant_in_logits" path) where the logits are the Triton GEMV / tensor-core kernel. A/B
 # switch (False: the separate act_quant launch).
@@ -249,8 +244,7 @@ def mma_blocks(t: int, e: int, h: int) -> tuple[int, int, int, int, int]:
     programs)."""
     bt = min(64, max(16, 1 << max(0, t - 1).bit_length()))
     k_per = min(MMA_K_PER, -(-h // 128) * 128)
-    bk = MMA_BLOCK_K if MMA_BLOCK_K > 0 and k_per % MMA_BLOCK_K == 0 else 128
-    return MMA_BLOCK_E, bt, bk, k_per, -(-h // k_per)
+    return MMA_BLOCK_E, bt, 128, k_per, -(-h // k_per)
 
 
 def router_logits_mma(x: torch.Tensor, weight: torch.Tensor,

@@ -231,49 +231,6 @@ def test_route_topk_partials_switch_same_bits(monkeypatch, t):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), args[0] is None
 
 
-@pytest.mark.parametrize("t,e,h", [(9, 384, 7168), (16, 256, 4096), (5, 96, 1024)])
-def test_logits_mma_block_k_same_logits(monkeypatch, t, e, h):
-    """router.MMA_BLOCK_K (session 45): the K step of the tensor-core logits' loop. 256 (two steps
-    per chunk of 512, both loaded before the first MMA) against 128 (four): on a GPU the same MMA
-    chain, so the same logits bit for bit, partials and the reduced launch; under the interpreter
-    (an fp32 dot per step, whose internal order may differ) within 1e-5 of each other, and the
-    step really changes (mma_blocks)."""
-    import dsv4_moe.kernels.router as router
-
-    g = torch.Generator().manual_seed(t + e + h)
-    xd = torch.randn(t, h, generator=g).bfloat16().to(DEV)
-    wd = (torch.randn(e, h, generator=g) * 0.05).bfloat16().to(DEV)
-    out = {}
-    for bk in (128, 256):
-        monkeypatch.setattr(router, "MMA_BLOCK_K", bk)
-        assert mma_blocks(t, e, h)[2] == bk
-        out[bk] = (router_logits_mma(xd, wd), router_logits_mma(xd, wd, reduce=False))
-    for a, b in zip(out[128], out[256]):
-        if DEV.type == "cpu":
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # |logit| ~ 4; a lost K step is ~1
-        else:
-            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
-    monkeypatch.setattr(router, "MMA_BLOCK_K", 384)  # does not divide the chunk of 512: the default step
-    assert mma_blocks(t, e, h)[2] == 128
-
-
-@pytest.mark.skipif(DEV.type == "cpu", reason="route_topk applies the scores in the kernel on a GPU only "
-                    "(libdevice); test_logits_mma_block_k_same_logits covers the logits under the interpreter")
-@pytest.mark.parametrize("t", [5, 9, 16])
-def test_route_topk_block_k_same_bits(monkeypatch, t):
-    """route_topk at T = 5-16 with MMA_BLOCK_K 256 and 128: the same ids, weights and act_quant
-    outputs, bit for bit (biased top-k on Pro shapes)."""
-    import dsv4_moe.kernels.router as router
-
-    x, w, bias = _inputs(t, 7168, 384, t)
-    out = {}
-    for bk in (128, 256):
-        monkeypatch.setattr(router, "MMA_BLOCK_K", bk)
-        out[bk] = route_topk(x, w, bias, None, None, 6, SCALE, act_quant="scaled")
-    for a, b in zip(out[128], out[256]):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
-
 def test_logits_mma_blocks_and_guards():
     for t in range(1, 65):
         be, bt, bk, k_per, splits = mma_blocks(t, 384, 7168)
