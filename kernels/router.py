@@ -109,6 +109,16 @@ MMA_K_PER = 512
 # 5.89 / 6.13 (chunks of 256 or 1024, 8 or 2 warps: no better). So 32 rows (168 programs at Pro).
 MMA_BLOCK_E = 32
 MMA_NUM_WARPS = 4
+# NOTE (session 45, d6f6a8e, measured and removed in the next commit): the loop's K step is 128, so a
+# chunk of 512 is four steps of which Triton's 3-stage pipeline has two in flight (offline sm_90a SASS:
+# two cp.async groups before the first MMA). A step of 256 puts the whole chunk in flight before the
+# first MMA (72 registers, same MMA chain: the logits, the partials and route_topk's outputs equal bit for
+# bit natively at T = 5, 9, 16). The layer did not move (H200, layer bench --graph-chain, alternating,
+# us, 128 / 256; docs/bench/2026-12-01/session45/all_call1_d6f6a8e.log): Pro-TP8 T=5 70.3, 70.3 / 70.3,
+# 70.2; T=8 92.1, 91.5 / 91.7, 92.1; T=9 96.5, 96.1 / 96.4, 96.4; T=12 116.6, 116.0 / 116.9, 116.3; T=16
+# 136.0, 135.9 / 137.2, 136.5; Flash T=5 138.0, 137.3 / 136.8, 137.1; T=16 331.1, 330.4 / 329.1, 329.6.
+# The timeline at T = 9 has the launch at 5.38 / 5.41 us either way: its time is not the K loop's round
+# trips. A step of 512 (one dot) compiles to serialised 16-byte loads and no cp.async (offline).
 # act_quant(x) inside the logits launch (route_topk's `act_quant`; the decode front's
 # "quant_in_logits" path) where the logits are the Triton GEMV / tensor-core kernel. A/B
 # switch (False: the separate act_quant launch).
