@@ -55,6 +55,21 @@ def _device(name: str) -> torch.device:
         raise SystemExit(str(e))
 
 
+# --tokens' upper bound: a forward over more tokens is an engine's prefill split into chunks; the
+# bound keeps a typo (an extra digit or three) from reaching torch as an allocation of terabytes.
+MAX_TOKENS = 1 << 20
+
+
+def _loading(ckpt: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs) (reading the config or a layer of checkpoint `ckpt`); a bad checkpoint
+    (CheckpointError, a ValueError naming the tensor and shard; a malformed config.json; an
+    unreadable file) ends the command with that message, not a traceback."""
+    try:
+        return fn(*args, **kwargs)
+    except (ValueError, TypeError, OSError) as e:
+        raise SystemExit(f"--checkpoint={ckpt!r}: {type(e).__name__}: {e}") from None
+
+
 def _inputs(config, tokens: int, device, seed: int):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, config.hidden_size, generator=g).to(torch.bfloat16).to(device)
@@ -67,14 +82,14 @@ def cmd_run(args) -> int:
     from dsv4_moe.reference import moe_forward
 
     ckpt = args.checkpoint or _default_checkpoint()
-    config = MoEConfig.from_pretrained(ckpt)
+    config = _loading(ckpt, MoEConfig.from_pretrained, ckpt)
     device = _device(args.device)
     print(f"checkpoint: {ckpt}{'  (embedded default)' if args.checkpoint is None else ''}")
     print(f"config: {config!r}")
     print(f"device: {device}{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}")
     for li in _layers_arg(args.layer, config.num_hidden_layers):
         t0 = time.perf_counter()
-        layer = load_moe_layer(ckpt, li, device=device)
+        layer = _loading(ckpt, load_moe_layer, ckpt, li, device=device)
         load_s = time.perf_counter() - t0
         x, ids = _inputs(config, args.tokens, device, args.seed + li)
         print()
@@ -140,9 +155,10 @@ def cmd_explain(args) -> int:
     from dsv4_moe import MoEConfig, load_moe_layer
 
     ckpt = args.checkpoint or _default_checkpoint()
-    config = MoEConfig.from_pretrained(ckpt)
+    config = _loading(ckpt, MoEConfig.from_pretrained, ckpt)
+    device = _device(args.device)
     for li in _layers_arg(args.layer, config.num_hidden_layers):
-        layer = load_moe_layer(ckpt, li, device=_device(args.device))
+        layer = _loading(ckpt, load_moe_layer, ckpt, li, device=device)
         print(layer.explain(args.tokens))
     return 0
 
@@ -172,10 +188,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub.add_parser("bench", help="layer-level benchmark (see `bench --help`)")
     sub.add_parser("make-checkpoint", help="write a synthetic checkpoint (see `make-checkpoint --help`)")
     args = p.parse_args(argv)
-    if args.tokens < 1:
-        p.error(f"--tokens={args.tokens}: expected >= 1")
+    if not 1 <= args.tokens <= MAX_TOKENS:
+        p.error(f"--tokens={args.tokens}: expected an int in [1, {MAX_TOKENS}]")
     if args.cmd == "run" and not 0 <= args.seed < 2 ** 63:
         p.error(f"--seed={args.seed}: expected an int in [0, 2^63)")
+    if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
+        p.error(f"--checkpoint={args.checkpoint!r}: no such directory (a checkpoint directory is expected)")
     if args.checkpoint is not None and not os.path.isfile(os.path.join(args.checkpoint, "config.json")):
         p.error(f"--checkpoint={args.checkpoint!r}: no config.json there (a checkpoint directory is expected)")
     return {"run": cmd_run, "explain": cmd_explain}[args.cmd](args)

@@ -200,6 +200,7 @@ class DeepseekV4MoE(_NativeBuffers):
         return ctx
 
     # ------------------------------------------------------------------ forward
+    @torch.no_grad()  # inference only: the FP8 / MXFP4 paths have no backward
     def forward(self, hidden_states: torch.Tensor, input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = hidden_states
         check_hidden("hidden_states", x, self.config.hidden_size, self.device)

@@ -26,6 +26,20 @@ class _NativeBuffers(nn.Module):
             if isinstance(v, torch.Tensor):
                 self.register_buffer(f"{prefix}{name}", v, persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        """Module.to / .cuda / .cpu / .half / .float / .bfloat16 all come here. A device move is
+        what these modules support; a dtype change would cast the checkpoint's native tensors
+        (FP8 codes, e8m0 scales, the fp32 router) into other values, so it is refused - before
+        any buffer is touched (each buffer's dtype is probed on an empty tensor first)."""
+        for name, b in self.named_buffers():
+            to = fn(torch.empty(0, dtype=b.dtype, device=b.device)).dtype
+            if to != b.dtype:
+                raise TypeError(f"{type(self).__name__}: a dtype change (here buffer {name!r} {b.dtype} -> {to}) "
+                                f"is not supported: the layer holds the checkpoint's tensors in their native "
+                                f"dtypes (FP8 codes, e8m0 scales, packed e2m1, the fp32 router); move it with "
+                                f".to(device) only (its outputs are bf16 whatever the input)")
+        return super()._apply(fn, recurse)
+
     def _rebuild(self, cls, prefix: str, **extra):
         kw = {}
         for name in cls.__dataclass_fields__:
@@ -71,6 +85,7 @@ class DeepseekV4MLP(_NativeBuffers):
                                intermediate=c.local_intermediate(self.tp_size), num_experts=c.n_routed_experts,
                                num_local_experts=0, top_k=c.num_experts_per_tok, tp_size=self.tp_size)
 
+    @torch.no_grad()  # inference only: the FP8 / MXFP4 paths have no backward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_hidden("x", x, self.config.hidden_size, self.device)
         if x.shape[0] == 0:

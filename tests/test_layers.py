@@ -651,3 +651,55 @@ def test_cli_arguments_named(tmp_path, capsys):
     assert "make-checkpoint --overwrite" in capsys.readouterr().err
     assert make_checkpoint_main(["--out", "/dev/null/x", "--layers", "0", "--no-progress"]) == 2
     assert "--out='/dev/null/x'" in capsys.readouterr().err
+
+
+def test_dtype_changes_refused_device_moves_kept():
+    """layer.to(dtype) / .half() / .float() would cast the native FP8 codes, e8m0 scales and the
+    fp32 router: refused with a TypeError naming a buffer, before any buffer is touched; a device
+    move (.to("cpu"), .cpu()) works and changes nothing. Forwards build no autograd graph."""
+    layer = DeepseekV4MoE(CFG, random_layer_weights(CFG, layer_idx=1, seed=1))
+    x, _ = _x(3)
+    want = layer(x)
+    dtypes = {n: b.dtype for n, b in layer.named_buffers()}
+    ptrs = {n: b.data_ptr() for n, b in layer.named_buffers()}
+    for f in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.float(), lambda m: m.bfloat16(),
+              lambda m: m.to("cpu", torch.float32), lambda m: m.shared_experts.double()):
+        with pytest.raises(TypeError, match=r"a dtype change \(here buffer '\w+' torch\.\w+ -> torch\.\w+\) is not "
+                                            r"supported.*\.to\(device\) only"):
+            f(layer)
+        assert {n: b.dtype for n, b in layer.named_buffers()} == dtypes
+        assert {n: b.data_ptr() for n, b in layer.named_buffers()} == ptrs
+    assert layer.to("cpu") is layer and layer.cpu() is layer
+    assert_bitwise_equal(layer(x), want)
+    y = layer(x.clone().requires_grad_())
+    assert not y.requires_grad and not layer.shared_experts(x.clone().requires_grad_()).requires_grad
+
+
+def test_cli_bad_checkpoints_and_token_counts(tmp_path, capsys):
+    """A checkpoint that cannot be read ends `run` / `explain` with one line naming --checkpoint and
+    the error (the reader's names the tensor and shard), not a traceback; --tokens has an upper
+    bound; a missing --checkpoint directory is named as such."""
+    import shutil
+
+    from dsv4_moe.cli import MAX_TOKENS, main
+    from dsv4_moe.weights.default import DEFAULT_CHECKPOINT_DIR
+
+    noshards = tmp_path / "noshards"
+    noshards.mkdir()
+    shutil.copy(os.path.join(DEFAULT_CHECKPOINT_DIR, "config.json"), noshards / "config.json")
+    badjson = tmp_path / "badjson"
+    badjson.mkdir()
+    (badjson / "config.json").write_text("{")
+    for argv, msg in ((["run", "--checkpoint", str(noshards), "--layer", "1"], "CheckpointError"),
+                      (["explain", "--checkpoint", str(noshards), "--layer", "1"], "CheckpointError"),
+                      (["run", "--checkpoint", str(badjson)], "config.json")):
+        with pytest.raises(SystemExit, match=re.escape(f"--checkpoint={argv[2]!r}: ") + f".*{msg}") as ei:
+            main(argv)
+        assert ei.value.code != 0
+    for argv, msg in ((["run", "--tokens", str(MAX_TOKENS + 1)], f"expected an int in [1, {MAX_TOKENS}]"),
+                      (["explain", "--tokens", "99999999999999999999"], "--tokens=99999999999999999999"),
+                      (["run", "--checkpoint", str(tmp_path / "nope")], "no such directory")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as ei:
+            main(argv)
+        assert ei.value.code == 2 and msg in capsys.readouterr().err, argv

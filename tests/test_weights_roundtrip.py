@@ -276,3 +276,29 @@ def test_make_checkpoint_cli(tmp_path):
     config, w = load_layer_weights(out, 1)
     assert config == MoEConfig.tiny() and w.routed.intermediate == 384
     assert make_checkpoint_main(["--preset", "tiny", "--layers", "1", "--out", str(out), "--no-progress"]) == 2
+
+
+def test_writer_checks_every_argument_before_touching_disk(tmp_path, capsys):
+    """A refused make-checkpoint leaves the disk as it was: --overwrite with a bad --num-shards keeps
+    the old checkpoint (it used to delete it, then fail), a fresh --out is not created, and an --out
+    that is a file is named as such. The shards get the mode of the process's other new files (the
+    index's; safetensors writes 0600 whatever the umask)."""
+    out = tmp_path / "ck"
+    assert make_checkpoint_main(["--layers", "1", "--out", str(out), "--no-progress"]) == 0
+    before = sorted(os.listdir(out))
+    capsys.readouterr()
+    assert make_checkpoint_main(["--layers", "1", "--out", str(out), "--overwrite", "--num-shards", "999",
+                                 "--no-progress"]) == 2
+    assert "num_shards=999" in capsys.readouterr().err
+    assert sorted(os.listdir(out)) == before
+    load_layer_weights(out, 1)                      # still a whole checkpoint
+    fresh = tmp_path / "fresh"
+    assert make_checkpoint_main(["--layers", "1", "--out", str(fresh), "--num-shards", "0", "--no-progress"]) == 2
+    assert not fresh.exists()
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert make_checkpoint_main(["--layers", "1", "--out", str(afile), "--no-progress"]) == 2
+    assert "is not a directory" in capsys.readouterr().err and afile.read_text() == "x"
+    index_mode = os.stat(out / "model.safetensors.index.json").st_mode & 0o777
+    shards = [f for f in os.listdir(out) if f.endswith(".safetensors")]
+    assert shards and all(os.stat(out / f).st_mode & 0o777 == index_mode for f in shards)

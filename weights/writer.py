@@ -180,15 +180,18 @@ def write_checkpoint(checkpoint_dir: str | os.PathLike, config: MoEConfig, *, la
         raise ValueError(f"layers={layers}: duplicate layer indices")
     layers = sorted(layers)
     out_dir = os.fspath(checkpoint_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    existing = _existing_outputs(out_dir)
-    if existing and not overwrite:
-        raise FileExistsError(f"checkpoint_dir={out_dir!r} already holds {existing}; overwrite=True (make-checkpoint --overwrite) replaces them")
-    for f in existing:
-        os.remove(os.path.join(out_dir, f))
-
+    # every argument is checked before anything on disk is touched (a refused call leaves the
+    # directory as it was: no empty directory made, no old checkpoint removed)
     groups = _groups(config, layers)
     shards = _split(groups, layers, num_shards)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise NotADirectoryError(f"checkpoint_dir={out_dir!r} exists and is not a directory")
+    existing = _existing_outputs(out_dir) if os.path.isdir(out_dir) else []
+    if existing and not overwrite:
+        raise FileExistsError(f"checkpoint_dir={out_dir!r} already holds {existing}; overwrite=True (make-checkpoint --overwrite) replaces them")
+    os.makedirs(out_dir, exist_ok=True)
+    for f in existing:
+        os.remove(os.path.join(out_dir, f))
     n = len(shards)
     weight_map: dict[str, str] = {}
     total_size = 0
@@ -213,6 +216,11 @@ def write_checkpoint(checkpoint_dir: str | os.PathLike, config: MoEConfig, *, la
     with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
         json.dump(index, f, indent=2)
         f.write("\n")
+    # safetensors' save_file creates its files 0600 whatever the umask; give the shards the mode
+    # the process gives its other new files (the index's), so a shared directory is readable
+    mode = os.stat(os.path.join(out_dir, INDEX_FILE)).st_mode & 0o777
+    for fname in sorted(set(weight_map.values())):
+        os.chmod(os.path.join(out_dir, fname), mode)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config.to_dict(), f, indent=2)
         f.write("\n")
