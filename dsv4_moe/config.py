@@ -35,7 +35,10 @@ _SUPPORTED_EXPERT_DTYPE = ("fp4",)
 class MoEConfig:
     """Shape and routing facts of a DeepSeek-V4 MoE layer.
 
-    Field names follow the official `config.json` keys.
+    Field names follow the official `config.json` keys, except `fp8_block_size` (read from and
+    written to `quantization_config.weight_block_size`) and `name` (a label: the preset's name,
+    stored as `_dsv4_moe_name`). The defaults are V4-Flash's (`MoEConfig.preset("flash")` differs
+    only in its name); `from_pretrained(dir)` reads a checkpoint's config.json.
     """
 
     hidden_size: int = 4096

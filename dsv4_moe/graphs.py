@@ -34,6 +34,10 @@ __all__ = ["GraphedMoE"]
 
 
 class GraphedMoE:
+    """A DeepseekV4MoE forward replayed from CUDA graphs, one per token count (see the module
+    docstring): GraphedMoE(layer, token_counts, strict=False, clone=True); call it as the layer,
+    graphed(x, input_ids=None); capture() captures every T now, reset() drops the graphs."""
+
     def __init__(self, layer: DeepseekV4MoE, token_counts: Iterable[int], *, strict: bool = False,
                  clone: bool = True):
         if not isinstance(layer, DeepseekV4MoE):

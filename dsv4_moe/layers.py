@@ -419,7 +419,25 @@ def choose_routed_layout(r: RoutedExpertWeights, requested: str = "auto") -> tup
 
 def load_moe_layer(checkpoint_dir, layer_idx: int, *, device="cpu", tp_rank: int = 0, tp_size: int = 1,
                    ep_rank: int = 0, ep_size: int = 1, group=None, progress: Optional[bool] = None) -> DeepseekV4MoE:
-    """Load one MoE layer from official safetensors shards, reading only that layer's tensors."""
+    """Load one MoE layer from official safetensors shards, reading only that layer's tensors.
+
+    checkpoint_dir  a directory with config.json and model.safetensors.index.json + shards (or one
+                    model.safetensors), official V4 or written by `make-checkpoint`
+    layer_idx       decoder layer index; layers below num_hash_layers are hash-routed (forward
+                    then needs input_ids)
+    device          where the weights go ("cpu", "cuda", "cuda:N" or a torch.device); CUDA picks
+                    the Hopper kernels and the "mma64e" routed layout
+    tp_rank/tp_size tensor parallelism: this rank's I/tp_size slice of every expert, cut from the
+                    checkpoint bytes without padding (V4-Pro at TP8: 384)
+    ep_rank/ep_size expert parallelism: this rank's E/ep_size routed experts
+    group           the process group the forward all-reduces over when tp_size or ep_size > 1
+                    (None: the default group)
+    progress        tqdm bar over experts (None: when stderr is a terminal and > 32 experts load)
+
+    Returns a DeepseekV4MoE holding the native tensors as non-persistent buffers (so its
+    state_dict() is empty; move it with .to(device), dtype changes are refused). A bad checkpoint
+    raises CheckpointError (a ValueError) naming the tensor and shard, before any byte is read.
+    """
     from .weights import load_layer_weights
 
     config, weights = load_layer_weights(checkpoint_dir, layer_idx, device=device, tp_rank=tp_rank,
