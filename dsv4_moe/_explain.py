@@ -81,10 +81,19 @@ def heterogeneous_reason(layer, num_tokens: int) -> str:
     return why
 
 
+def _chosen(stage: str, layer, num_tokens: int):
+    """The path `stage` takes at this T, or None where a forced path cannot run here (the plan's
+    line for that stage says so; a forward raises)."""
+    try:
+        return dispatch.select(stage, layer.context(num_tokens)).name
+    except RuntimeError:
+        return None
+
+
 def gemm_plan(layer, num_tokens: int) -> str:
     """The routed MXFP4 GEMM bodies for this T (kernels.routed_experts.routed_configs),
     when the routed stage takes the Triton path; empty otherwise."""
-    if num_tokens < 1 or dispatch.select("routed_experts", layer.context(num_tokens)).name != "triton":
+    if num_tokens < 1 or _chosen("routed_experts", layer, num_tokens) != "triton":
         return ""
     from .kernels import routed_experts as rx
 
@@ -113,7 +122,7 @@ def gemm_plan(layer, num_tokens: int) -> str:
                      f"{cfg.num_stages} stages{extra}")
     from .kernels.mxfp4_grouped_gemm import split_parts
     parts_up = split_parts(cfgs[0], layer.config.hidden_size)
-    fused = dispatch.select("swiglu_quant", layer.context(num_tokens)).name != "unfused"
+    fused = _chosen("swiglu_quant", layer, num_tokens) not in ("unfused", None)
     if parts_up > 1 and fused and rx.SWIGLU_SUMS_SPLIT:
         between = (f"SwiGLU-quant over the {routes} routes, summing the split gate_up's {parts_up} fp32 "
                    f"partials itself (no reduce launch, same bits)")
@@ -127,7 +136,7 @@ def gemm_plan(layer, num_tokens: int) -> str:
     parts_down = split_parts(cfgs[1], layer.config.local_intermediate(layer.tp_size))
     after = ""
     if parts_down > 1:
-        fin = dispatch.select("finalize", layer.context(num_tokens)).name
+        fin = _chosen("finalize", layer, num_tokens)
         after = (f"\n  after the down: the fused finalize sums its {parts_down} fp32 split-K partials itself "
                  f"(no reduce launch, same bits)" if layer._finalize_sums_down(num_tokens, "triton", fin) else
                  f"\n  after the down: a reduce launch sums its {parts_down} fp32 split-K partials ("
@@ -142,7 +151,7 @@ def shared_gemm_plan(layer, num_tokens: int) -> str:
     """The shared expert's two FP8 GEMM tiles for this T (kernels.fp8_block_gemm.choose_config, with
     the side stream's settings where the shared expert overlaps), when fp8_gemm takes the Triton path;
     empty otherwise."""
-    if num_tokens < 1 or dispatch.select("fp8_gemm", layer.context(num_tokens)).name != "triton":
+    if num_tokens < 1 or _chosen("fp8_gemm", layer, num_tokens) != "triton":
         return ""
     from .kernels.fp8_block_gemm import choose_config
 

@@ -693,7 +693,12 @@ def explain(ctx: DispatchContext, stages: Optional[list[str]] = None) -> str:
              f"ep {ctx.ep_size}{', hash layer' if ctx.is_hash else ''}):"]
     pdl, why = has_pdl(ctx.device)
     lines.append(f"  {'launches':<15} -> {'pdl' if pdl else 'plain':<10} ({why})")
-    for p in plan(ctx, stages):
+    for stage in (stages or list(STAGES)):
+        try:
+            p = plan_stage(stage, ctx)
+        except RuntimeError as e:  # a forced path that cannot run here: said, as a forward would raise it
+            lines.append(f"  {stage:<15} -> (none)     a forward raises: {e}")
+            continue
         lines.append(f"  {p.stage:<15} -> {p.chosen.name:<10} "
                      f"{'(forced)' if p.forced else '(' + p.reason + ')'}")
         for name, why in p.rejected:

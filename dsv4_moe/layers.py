@@ -223,6 +223,10 @@ class DeepseekV4MoE(_NativeBuffers):
                 if lo < 0 or hi >= self.config.vocab_size:
                     raise ValueError(f"input_ids: ids in [{lo}, {hi}], expected [0, vocab_size="
                                      f"{self.config.vocab_size}) (the hash table's rows)")
+        if self.tp_size * self.ep_size > 1:  # before any work, not at the final all-reduce
+            from .reference.moe import check_group
+
+            check_group(self, self.group)  # reads tp_rank / tp_size / ep_rank / ep_size only
         t = x.shape[0]
         if t == 0:
             return torch.empty_like(x)

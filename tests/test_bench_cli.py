@@ -35,8 +35,22 @@ def tiny_run(tmp_path_factory):
 
     buf = io.StringIO()
     with redirect_stdout(buf):
-        rc = main(FAST + ["--tokens", "1,2", "--parts", "layer,peers", "--json", str(path)])
+        rc = main(FAST + ["--tokens", "1,2", "--parts", "layer,peers", "--json", str(path), "--plot", str(d / "p.png")])
     return rc, buf.getvalue(), json.loads(path.read_text())
+
+
+def test_plot_and_graphs_notes(tiny_run):
+    """--plot without matplotlib is said before the run and again at its end (the run goes on);
+    with it the plot is written. On the CPU the note says the rows were timed without graphs."""
+    rc, out, doc = tiny_run
+    why = report.plot_unavailable()
+    lines = out.splitlines()
+    if why:
+        assert lines[0].startswith("# --plot ") and lines[0].endswith(f"will be skipped: {why}")
+        assert f"# plot skipped: {why}" in out
+    else:
+        assert "# plot: " in out
+    assert any("timed eagerly (CUDA graphs need a CUDA device" in n for n in doc["notes"])
 
 
 def test_cli_exit_code_and_reproduce_line(tiny_run):
@@ -205,8 +219,16 @@ def test_missing_optional_peer_import_is_a_skip_reason(monkeypatch):
     (["--tokens", "a,b"], "--tokens"),
     (["--parts", "layer,bogus"], "--parts"),
     (["--peers", "vllm"], "--peers"),
+    (["--tokens", "1,,2"], "--tokens='1,,2'"),
+    (["--tokens", "4,"], "--tokens='4,'"),
+    (["--json", "/"], "--json='/': is a directory"),
+    (["--json", os.path.abspath(__file__) + "/x.json"], "is a file, not a directory"),
+    (["--plot", os.path.abspath(__file__) + "/a/b.png"], "--plot=.*is a file, not a directory"),
+    (["--checkpoint", "/nonexistent/ckpt"], "FileNotFoundError: .*no config.json"),
 ])
 def test_bad_arguments_exit_with_a_message(argv, match):
+    """Refused before anything is timed (an output path that cannot be written used to fail with a
+    traceback after the whole run), with a message naming the flag."""
     with pytest.raises(SystemExit, match=match):
         main(["--preset", "tiny", "--device", "cpu"] + argv)
 

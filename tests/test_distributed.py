@@ -52,6 +52,9 @@ def _worker(rank, world, port, mode, layer_idx, q):
         from dsv4_moe.testing import random_layer_weights
 
         full = random_layer_weights(CFG, layer_idx=layer_idx, seed=11)
+        if mode == "badgroup":
+            _bad_group(rank, full, q)
+            return
         kw = dict(tp_rank=rank, tp_size=world) if mode == "tp" else dict(ep_rank=rank, ep_size=world)
         layer = DeepseekV4MoE(CFG, _slice_full(full, CFG, **kw))
         g = torch.Generator().manual_seed(5)
@@ -95,3 +98,52 @@ def test_two_ranks_match_single_rank(mode):
     # the bound would catch a missing clamp on these inputs (TP's recipe bounds only rel L2)
     with pytest.raises(AssertionError):
         assert_bf16_close(out, unclamped, recipe, f"{mode}2 vs the unclamped reference")
+
+
+def _bad_group(rank, full, q):
+    """A slice that does not match the process group is refused on entry to the forward (no
+    communication: nothing hangs), naming the slice and the group."""
+    from dsv4_moe.reference.moe import check_group
+
+    errors = []
+    layer = DeepseekV4MoE(CFG, _slice_full(full, CFG, ep_rank=rank, ep_size=4))   # 4 slices on 2 ranks
+    x = torch.randn(3, CFG.hidden_size).to(torch.bfloat16)
+    try:
+        layer(x, torch.zeros(3, dtype=torch.long))
+    except ValueError as e:
+        errors.append(str(e))
+    try:   # both ranks holding slice 0 of 2: rank 1 is refused (check only: a forward would leave rank 0 waiting)
+        check_group(_slice_full(full, CFG, ep_rank=0, ep_size=2))
+    except ValueError as e:
+        errors.append(str(e))
+    q.put((rank, errors))
+
+
+def test_slice_must_match_the_process_group():
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, "badgroup", 1, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert set(got) == {0, 1}, got
+    for rank in (0, 1):
+        assert f"ep_size=4, ep_rank={rank}: the layer's slice does not match its process group (size 2, this " \
+               f"process's rank {rank})" in got[rank][0], got
+    assert len(got[0]) == 1 and len(got[1]) == 2 and "ep_size=2, ep_rank=0" in got[1][1] and "rank 1)" in got[1][1]
+
+
+def test_parallel_layer_without_process_group_fails_on_entry(monkeypatch):
+    """Without init_process_group a TP / EP layer's forward raises before any stage runs."""
+    from dsv4_moe import dispatch
+    from dsv4_moe.testing import random_layer_weights
+
+    layer = DeepseekV4MoE(CFG, _slice_full(random_layer_weights(CFG, layer_idx=1, seed=11), CFG, tp_rank=0, tp_size=2))
+    calls = []
+    monkeypatch.setattr(dispatch, "select", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(AssertionError))
+    with pytest.raises(RuntimeError, match="needs torch.distributed to be initialised"):
+        layer(torch.randn(2, CFG.hidden_size).to(torch.bfloat16))
+    assert not calls

@@ -237,6 +237,22 @@ def test_force_paths_validates_and_fails_closed():
             pass
 
 
+@pytest.mark.parametrize("stage, path", [("finalize", "unfused"), ("routed_experts", "triton"), ("fp8_gemm", "triton"),
+                                         ("swiglu_quant", "fused")])
+def test_explain_reports_a_forced_path_that_cannot_run(layers, stage, path):
+    """explain() under force_paths with a path this device cannot run prints the whole plan, that
+    stage's line saying what a forward raises (it used to raise itself); the forward raises it."""
+    layer = layers[1]
+    with force_paths(**{stage: path}):
+        text = layer.explain(4)
+        with pytest.raises(RuntimeError, match=f"forced path '{path}' cannot run here"):
+            layer(_x(4)[0])
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith(stage + " "))
+    assert f"-> (none)     a forward raises: stage '{stage}': forced path '{path}' cannot run here: device is cpu" \
+        in line
+    assert sum(" -> " in ln for ln in text.splitlines()) == len(dispatch.STAGES) + 1   # every stage + launches
+
+
 def test_log_dispatch_env(monkeypatch, capsys):
     monkeypatch.setenv("DSV4_MOE_LOG_DISPATCH", "1")
     dispatch.select("router", DispatchContext(device=torch.device("cpu"), num_tokens=12345))

@@ -101,6 +101,15 @@ def write_json(path: str, doc: dict) -> None:
         f.write("\n")
 
 
+def plot_unavailable() -> Optional[str]:
+    """None when matplotlib imports, else why write_plot will skip (said before a run starts)."""
+    try:
+        import matplotlib  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - plotting is optional (pip install matplotlib)
+        return f"matplotlib not importable ({type(e).__name__}); pip install dsv4_moe[bench]"
+    return None
+
+
 def write_plot(path: str, rows: list[dict], hardware: dict, title: str) -> Optional[str]:
     """Time and effective bandwidth vs tokens per case, layer floor and copy rate drawn in.
     Returns None on success or the reason it was skipped."""

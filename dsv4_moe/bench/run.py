@@ -122,12 +122,29 @@ def _csv(s: str, allowed, what: str) -> list[str]:
 
 def _tokens(s: str) -> list[int]:
     try:
-        ts = [int(x) for x in s.split(",") if x.strip()]
+        ts = [int(x) for x in s.split(",")]   # an empty item ("1,,2", "4,") is refused too
     except ValueError:
         raise SystemExit(f"--tokens={s!r}: expected comma-separated positive ints") from None
     if not ts or min(ts) < 1:
         raise SystemExit(f"--tokens={s!r}: expected comma-separated positive ints")
     return ts
+
+
+def _out_path(flag: str, path: Optional[str]) -> None:
+    """Refuse an output path that cannot be written before anything is timed (the run can take
+    minutes): an existing directory, a parent that is a file, or an unwritable parent. Missing
+    parent directories are made when the file is written."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise SystemExit(f"{flag}={path!r}: is a directory; expected a file path")
+    d = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(d):
+        d = os.path.dirname(d)
+    if not os.path.isdir(d):
+        raise SystemExit(f"{flag}={path!r}: {d!r} is a file, not a directory")
+    if not os.access(d, os.W_OK):
+        raise SystemExit(f"{flag}={path!r}: {d!r} is not writable")
 
 
 def _git_commit() -> str:
@@ -294,6 +311,11 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m dsv4_moe bench
     stage_list = _csv(args.stages, ours.STAGES, "stages")
     peer_names = _csv(args.peers, tuple(PEERS), "peers")
     tokens = _tokens(args.tokens)
+    _out_path("--json", args.json)
+    _out_path("--plot", args.plot)
+    plot_why = report.plot_unavailable() if args.plot else None
+    if plot_why:   # said now and again at the end: the run goes on, the plot will not be drawn
+        print(f"# --plot {args.plot}: will be skipped: {plot_why}", flush=True)
     set_notes = []
     for item in args.set:
         try:
@@ -309,10 +331,12 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m dsv4_moe bench
     if args.check_rows == 0:
         b.notes.append("--check-rows 0: no row was checked against the reference (rel_err '-'): these times are "
                        "of unchecked outputs")
+    if device != "cuda" and args.graphs:
+        b.notes.append(f"device {device}: timed eagerly (CUDA graphs need a CUDA device; --graphs has no effect)")
     try:
         full_cfg, full_w = _load(args, device)
-    except ValueError as e:  # bad split / layer for this config: a usage error, not a crash
-        raise SystemExit(f"{prog}: {e}") from None
+    except (ValueError, OSError) as e:  # bad split / layer / checkpoint: a usage error, not a crash
+        raise SystemExit(f"{prog}: {type(e).__name__}: {e}") from None
     cfg, w = ours.single_rank_view(full_cfg, full_w)
     command = f"{prog} {shlex.join(argv)}".strip()
     print(f"# {command}", flush=True)

@@ -114,6 +114,8 @@ def moe_forward(x: torch.Tensor, input_ids: Optional[torch.Tensor], weights: MoE
 
 def combine(acc: torch.Tensor, shared: torch.Tensor, weights: MoELayerWeights, *, group=None) -> torch.Tensor:
     """Add the shared expert and reduce across ranks with one final bf16 rounding (SPEC §4.5, §6)."""
+    if weights.tp_size * weights.ep_size > 1:
+        check_group(weights, group)
     if weights.tp_size > 1:
         acc = acc + shared.float()
         _all_reduce(acc, group)
@@ -122,6 +124,27 @@ def combine(acc: torch.Tensor, shared: torch.Tensor, weights: MoELayerWeights, *
             _all_reduce(acc, group)
         acc = acc + shared.float()
     return acc.to(torch.bfloat16)
+
+
+def check_group(weights: MoELayerWeights, group=None) -> None:
+    """A layer sliced for tp_size or ep_size > 1 must run in a process group of exactly that many
+    ranks, at the position of its slice (rank r of the group holds slice r): host-side checks only
+    (no communication, so a CUDA-graph capture may run them). Every rank must also pass the same
+    tokens: the all-reduce cannot check that without a sync, and a mismatched T fails inside the
+    backend (gloo aborts; NCCL may hang)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("tp_size/ep_size > 1 needs torch.distributed to be initialised (init_process_group)")
+    size = weights.tp_size * weights.ep_size
+    rank = weights.tp_rank if weights.tp_size > 1 else weights.ep_rank
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    if world != size or me != rank:
+        kind = "tp" if weights.tp_size > 1 else "ep"
+        raise ValueError(f"{kind}_size={size}, {kind}_rank={rank}: the layer's slice does not match its process group "
+                         f"(size {world}, this process's rank {me}); expected a group of {size} ranks with this "
+                         f"process at rank {rank} (load_moe_layer(..., {kind}_rank=<group rank>, {kind}_size=<group "
+                         f"size>, group=...))")
 
 
 def _all_reduce(acc: torch.Tensor, group) -> None:
