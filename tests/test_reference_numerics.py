@@ -166,6 +166,12 @@ def test_route_topk_and_hash():
     assert torch.equal(hids, tid2eid[ids_in].sort(dim=1).values)
     with pytest.raises(ValueError, match="input_ids"):
         R.route(x, w, None, tid2eid, None, 4, 1.5)
+    # clear errors, not a raw IndexError / matmul shape error (session 45's audit)
+    for bad in ([0, 32, 1, 1, 1], [0, -1, 1, 1, 1]):
+        with pytest.raises(ValueError, match=r"input_ids in \[-?\d+, \d+\]: expected ids in \[0, 32\)"):
+            R.route(x, w, None, tid2eid, torch.tensor(bad), 4, 1.5)
+    with pytest.raises(ValueError, match=r"x.shape=\(5, 128\) and weight.shape=\(16, 64\)"):
+        R.route(torch.randn(5, 128).to(torch.bfloat16), w, bias, None, None, 4, 2.5)
 
 
 def test_finalize_order_and_locality():

@@ -35,6 +35,10 @@ def renormalise(w: torch.Tensor, scale: float) -> torch.Tensor:
     return w / total[:, None] * scale
 
 
+def _capturing(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def route(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], tid2eid: Optional[torch.Tensor],
           input_ids: Optional[torch.Tensor], top_k: int, routed_scaling_factor: float
           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,12 +54,20 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], t
     """
     if (tid2eid is None) == (bias is None):
         raise ValueError("route: exactly one of bias (non-hash layer) and tid2eid (hash layer) must be given")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"route: x.shape={tuple(x.shape)} and weight.shape={tuple(weight.shape)}: expected [T, H] "
+                         f"and [E, H] with the same H")
     scores = router_scores(x, weight)
     if tid2eid is not None:
         if input_ids is None:
             raise ValueError("route: this is a hash layer; input_ids [T] int64 is required")
         if input_ids.shape != (x.shape[0],):
             raise ValueError(f"route: input_ids.shape={tuple(input_ids.shape)}, expected {(x.shape[0],)}")
+        # (a host sync on a GPU; skipped inside a CUDA-graph capture, as the layer skips its own check)
+        if input_ids.numel() and not _capturing(input_ids) \
+                and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < tid2eid.shape[0]:
+            raise ValueError(f"route: input_ids in [{int(input_ids.min())}, {int(input_ids.max())}]: expected ids in "
+                             f"[0, {tid2eid.shape[0]}) (the rows of tid2eid)")
         ids = tid2eid[input_ids.long()].long()
     else:
         ids = torch.topk(scores + bias.float(), top_k, dim=-1).indices
