@@ -157,6 +157,18 @@ class MoEConfig:
         mt = d.get("model_type", "deepseek_v4")
         if mt != "deepseek_v4":
             raise ValueError(f"{source}: model_type={mt!r}: expected 'deepseek_v4'")
+        # V4.1's extras change the routing (SPEC §2); nothing here implements them, so a config that sets
+        # them is refused rather than loaded and run with V4's routing
+        if "text_config" in d:
+            raise ValueError(f"{source}: text_config is set (DeepSeek-V4.1's layout): not supported yet")
+        if d.get("gate_temp") not in (None, 1, 1.0) or isinstance(d.get("gate_temp"), bool):
+            raise ValueError(f"{source}: gate_temp={d['gate_temp']!r}: the router would divide its logits by it "
+                             f"(DeepSeek-V4.1); only 1.0 (or no key) is supported")
+        if d.get("bias_vl") not in (None, False):
+            raise ValueError(f"{source}: bias_vl={d['bias_vl']!r}: a second selection bias (DeepSeek-V4.1, image "
+                             f"tokens) is not supported")
+        if d.get("hidden_act") not in (None, "silu"):
+            raise ValueError(f"{source}: hidden_act={d['hidden_act']!r}: expected 'silu' (the clamped SwiGLU of V4)")
 
         def typed(key: str, kinds: tuple, what: str, default: Any = _REQUIRED) -> Any:
             # NOTE: no coercion: int("256"), int(2.5) or bool("false") would load a config other
@@ -175,6 +187,13 @@ class MoEConfig:
             qc = {}
         if not isinstance(qc, dict):
             raise ValueError(f"{source}: quantization_config={qc!r}: expected a JSON object")
+        # the numerics SPEC §4 fixes: keys that are present must say so (absent keys mean V4's)
+        for key, want in (("quant_method", ("fp8",)), ("fmt", ("e4m3",)), ("scale_fmt", ("ue8m0",)),
+                          ("activation_scheme", ("dynamic",))):
+            if key in qc and qc[key] not in want:
+                raise ValueError(f"{source}: quantization_config.{key}={qc[key]!r}: expected {want[0]!r} (the "
+                                 f"numerics this package implements: FP8 e4m3 with UE8M0 power-of-two scales, "
+                                 f"activations quantised per 128 columns at run time)")
         block = qc.get("weight_block_size", [FP8_BLOCK, FP8_BLOCK])
         if (not isinstance(block, (list, tuple)) or len(block) != 2
                 or any(not is_int(b) for b in block)):

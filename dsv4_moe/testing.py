@@ -195,7 +195,8 @@ def bf16_diff_stats(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     """
     g, r = got.detach().float().cpu(), ref.detach().float().cpu()
     both_nan = torch.isnan(g) & torch.isnan(r)
-    diff = torch.where(both_nan, torch.zeros_like(g), (g - r).abs())
+    same = both_nan | (g == r)  # equal infinities too (inf - inf is NaN, which would count as infinite ulps)
+    diff = torch.where(same, torch.zeros_like(g), (g - r).abs())
     finite = r[torch.isfinite(r)]
     rms = finite.pow(2).mean().sqrt().item() if finite.numel() else 0.0
     mag = torch.maximum(r.abs(), torch.full_like(r, rms)).clamp(min=2.0 ** -126)
@@ -208,13 +209,15 @@ def bf16_diff_stats(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     return {
         "mismatch_frac": mism.float().mean().item() if mism.numel() else 0.0,
         "max_ulp": ulps.max().item() if ulps.numel() else 0.0,
-        "rel_l2": ((g - r).nan_to_num().norm().item() / denom) if denom else float((g - r).norm().item()),
+        "rel_l2": (diff.nan_to_num().norm().item() / denom) if denom else float(diff.norm().item()),
         "max_abs": diff.max().item() if diff.numel() else 0.0,
     }
 
 
 def assert_bf16_close(got: torch.Tensor, ref: torch.Tensor, recipe: str, what: str = "", **case) -> dict:
     """Check `got` against `ref` under TOLERANCES[recipe]; return the stats."""
+    if recipe not in TOLERANCES:
+        raise ValueError(f"recipe={recipe!r}: expected one of {sorted(TOLERANCES)}")
     tol = TOLERANCES[recipe]
     if got.shape != ref.shape:
         raise AssertionError(f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)} {case}")

@@ -46,6 +46,30 @@ def test_v41_is_rejected_by_name(tmp_path):
         MoEConfig.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("extra,match", [
+    ({"gate_temp": 2.0}, "gate_temp=2.0: the router would divide its logits by it"),
+    ({"bias_vl": [0.0]}, r"bias_vl=\[0.0\]: a second selection bias"),
+    ({"text_config": {}}, "text_config is set"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu': expected 'silu'"),
+    ({"quantization_config": {"scale_fmt": None}}, "quantization_config.scale_fmt=None: expected 'ue8m0'"),
+    ({"quantization_config": {"fmt": "e5m2"}}, "quantization_config.fmt='e5m2': expected 'e4m3'"),
+    ({"quantization_config": {"quant_method": "mxfp4"}}, "quant_method='mxfp4': expected 'fp8'"),
+    ({"quantization_config": {"activation_scheme": "static"}}, "activation_scheme='static': expected 'dynamic'"),
+])
+def test_config_keys_that_change_the_numerics_are_refused(extra, match):
+    """Keys the package does not implement (V4.1's gate_temp / bias_vl / text_config, another activation,
+    other FP8 formats or scale formats) are refused, never loaded and ignored; V4's own values (or the
+    keys absent) load (session 45's audit)."""
+    d = MoEConfig.flash().to_dict()
+    d.update(gate_temp=1.0, hidden_act="silu")
+    assert MoEConfig.from_dict(d) == MoEConfig.flash()
+    d = {**d, **{k: v for k, v in extra.items() if k != "quantization_config"}}
+    if "quantization_config" in extra:
+        d["quantization_config"] = {**d["quantization_config"], **extra["quantization_config"]}
+    with pytest.raises(ValueError, match=match):
+        MoEConfig.from_dict(d)
+
+
 @pytest.mark.parametrize("kw,match", [
     ({"hidden_size": 0}, "hidden_size=0"),
     ({"scoring_func": "softmax"}, "scoring_func='softmax'"),

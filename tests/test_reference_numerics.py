@@ -179,3 +179,21 @@ def test_finalize_order_and_locality():
     ids = torch.tensor([[0, 4, 9]])
     acc = R.finalize(y, ids, first_expert=0, num_local=8)  # expert 9 is not local
     assert acc.tolist() == [[1.0 + float(torch.tensor(1e-3).to(torch.bfloat16)), 2.0]]
+
+
+def test_bf16_diff_stats_equal_infinities_and_recipe_names():
+    """Equal infinities are no difference (inf - inf was NaN, counted as infinite ulps, so a tensor
+    failed against its own clone); a real difference still counts; an unknown recipe is named."""
+    from dsv4_moe.testing import assert_bf16_close, bf16_diff_stats
+
+    a = torch.tensor([1.0, float("inf"), -float("inf"), float("nan"), 2.0]).to(torch.bfloat16)
+    st = assert_bf16_close(a, a.clone(), "layer")
+    assert st == {"mismatch_frac": 0.0, "max_ulp": 0.0, "rel_l2": 0.0, "max_abs": 0.0}
+    b = a.clone()
+    b[1] = 3.0
+    assert bf16_diff_stats(b, a)["max_ulp"] == float("inf")
+    b = a.clone()
+    b[4] = torch.tensor(2.0).to(torch.bfloat16).view(torch.int16).add(1).view(torch.bfloat16)
+    assert bf16_diff_stats(b, a)["max_ulp"] > 0
+    with pytest.raises(ValueError, match="recipe='nope': expected one of"):
+        assert_bf16_close(a, a, "nope")

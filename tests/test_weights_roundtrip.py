@@ -302,3 +302,21 @@ def test_writer_checks_every_argument_before_touching_disk(tmp_path, capsys):
     index_mode = os.stat(out / "model.safetensors.index.json").st_mode & 0o777
     shards = [f for f in os.listdir(out) if f.endswith(".safetensors")]
     assert shards and all(os.stat(out / f).st_mode & 0o777 == index_mode for f in shards)
+
+
+
+def test_writer_refuses_what_the_loader_would_refuse(tmp_path):
+    """write_checkpoint refuses, before touching the disk, an intermediate size the loader cannot read
+    back (not a multiple of the FP8 block: it wrote such checkpoints before) and a non-bool overwrite
+    ('no' counted as True and replaced the checkpoint)."""
+    odd = SMALL.replace(moe_intermediate_size=96)
+    with pytest.raises(ValueError, match="moe_intermediate_size=96: the loader needs a multiple of 128"):
+        write_checkpoint(tmp_path / "odd", odd, layers=[1])
+    assert not (tmp_path / "odd").exists()
+    out = tmp_path / "ck"
+    write_checkpoint(out, SMALL, layers=[1], progress=False)
+    before = {f: os.stat(out / f).st_mtime_ns for f in os.listdir(out)}
+    for kw in ({"overwrite": "no"}, {"overwrite": 1}, {"progress": "yes"}):
+        with pytest.raises(TypeError, match=f"{next(iter(kw))}="):
+            write_checkpoint(out, SMALL, layers=[1], **kw)
+    assert {f: os.stat(out / f).st_mtime_ns for f in os.listdir(out)} == before

@@ -38,7 +38,7 @@ import torch
 from safetensors.torch import save_file
 
 from dsv4_moe._types import is_int
-from dsv4_moe.config import MoEConfig
+from dsv4_moe.config import FP8_BLOCK, MoEConfig
 
 from .names import TensorSpec, expert_tensor_names, router_tensor_names, shared_expert_tensor_names
 from .quantize import quantize_fp8_block, quantize_mxfp4
@@ -171,6 +171,13 @@ def write_checkpoint(checkpoint_dir: str | os.PathLike, config: MoEConfig, *, la
         raise TypeError(f"config: expected a MoEConfig, got {type(config).__name__}")
     if not is_int(seed):
         raise TypeError(f"seed={seed!r}: expected an int")
+    for key, v in (("overwrite", overwrite), ("progress", progress)):
+        if not isinstance(v, bool) and not (key == "progress" and v is None):
+            raise TypeError(f"{key}={v!r}: expected True or False" + (" (or None)" if key == "progress" else ""))
+    if config.moe_intermediate_size % FP8_BLOCK:
+        raise ValueError(f"config.moe_intermediate_size={config.moe_intermediate_size}: the loader needs a multiple of "
+                         f"{FP8_BLOCK} (the shared expert's FP8 block; its gate and up scales are merged per block), "
+                         f"so this checkpoint could not be read back")
     layers = list(layers)
     if not layers:
         raise ValueError("layers=[]: expected at least one layer index")
