@@ -197,3 +197,40 @@ def test_bf16_diff_stats_equal_infinities_and_recipe_names():
     assert bf16_diff_stats(b, a)["max_ulp"] > 0
     with pytest.raises(ValueError, match="recipe='nope': expected one of"):
         assert_bf16_close(a, a, "nope")
+
+
+def test_reference_entry_points_name_bad_arguments():
+    """The reference's public functions refuse mismatched inputs with a ValueError naming them (raw
+    torch errors before: a broadcast error, an out-of-bounds gather, an IndexError), and moe_forward
+    refuses a config that describes another layer than its weights (it ran silently)."""
+    from dsv4_moe import MoEConfig
+    from dsv4_moe.testing import random_layer_weights
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    w = (torch.randn(16, 64, generator=g) * 0.1).to(torch.bfloat16)
+    for args, match in (((x, w, torch.zeros(8), None, None, 4, 1.5), r"bias.shape=\(8,\): expected \[16\]"),
+                        ((x, w, torch.zeros(16), None, None, 17, 1.5), r"top_k=17: expected an int in \[1, 16\]"),
+                        ((x, w, torch.zeros(16), None, None, 0, 1.5), r"top_k=0"),
+                        ((x, w, torch.zeros(16), None, None, 2.0, 1.5), r"top_k=2.0"),
+                        ((x, w, None, torch.full((4, 2), 19), torch.tensor([0, 1, 2]), 2, 1.5),
+                         r"tid2eid gives expert ids in \[19, 19\].*expected ids in \[0, 16\)"),
+                        ((x, w, None, torch.zeros(4, 2, dtype=torch.long), torch.tensor([0.0, 1.0, 2.0]), 2, 1.5),
+                         r"input_ids.dtype=torch.float32")):
+        with pytest.raises(ValueError, match=match):
+            R.route(*args)
+    y = torch.zeros(3, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"finalize: y \(3, 4, 64\), topk_ids \(3, 2\)"):
+        R.finalize(y, torch.zeros(3, 2, dtype=torch.long), 0, 16)
+    cfg = MoEConfig.tiny()
+    lw = random_layer_weights(cfg, layer_idx=1)
+    xt = torch.randn(2, cfg.hidden_size).to(torch.bfloat16)
+    for bad, match in ((cfg.replace(hidden_size=512), "config.hidden_size=512 but the gate weight's H is 256"),
+                       (cfg.replace(n_routed_experts=32), "config.n_routed_experts=32 but the gate weight's E is 16")):
+        with pytest.raises(ValueError, match=match):
+            R.moe_forward(xt, None, lw, bad)
+    with pytest.raises(TypeError, match="config: expected a MoEConfig"):
+        R.moe_forward(xt, None, lw, {"hidden_size": 256})
+    q, sa = R.act_quant(xt)
+    with pytest.raises(ValueError, match="routed_forward: q"):
+        R.routed_forward(q, sa, torch.ones(2, 6), torch.zeros(2, 5, dtype=torch.long), lw.routed, 10.0)

@@ -61,6 +61,9 @@ def routed_forward(q: torch.Tensor, sa: torch.Tensor, topk_weights: torch.Tensor
     Returns:
         y             [T, k, H] bf16; slots routed to non-local experts are 0 and never read.
     """
+    if topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or q.dim() != 2 or q.shape[0] != topk_ids.shape[0]:
+        raise ValueError(f"routed_forward: q {tuple(q.shape)}, topk_weights {tuple(topk_weights.shape)}, topk_ids "
+                         f"{tuple(topk_ids.shape)}: expected [T, H], [T, k] and [T, k] with the same T and k")
     t, k = topk_ids.shape
     h = routed.hidden
     routed = routed.with_layout("nk")  # the checkpoint byte order (a no-op unless "mma64")
@@ -86,6 +89,9 @@ def finalize(y: torch.Tensor, topk_ids: torch.Tensor, first_expert: int, num_loc
 
     Slots are in ascending expert id (route() sorts them), which is SPEC §4.5's order.
     """
+    if y.dim() != 3 or topk_ids.shape != y.shape[:2]:
+        raise ValueError(f"finalize: y {tuple(y.shape)}, topk_ids {tuple(topk_ids.shape)}: expected [T, k, H] and "
+                         f"[T, k] with the same T and k")
     t, k, h = y.shape
     valid = local_mask(topk_ids, first_expert, num_local)
     acc = torch.zeros(t, h, dtype=torch.float32, device=y.device)
@@ -101,7 +107,21 @@ def moe_forward(x: torch.Tensor, input_ids: Optional[torch.Tensor], weights: MoE
     With tp_size or ep_size > 1, `group` is the torch.distributed process group over
     which partial sums are all-reduced (fp32); None means the default group.
     """
+    from dsv4_moe.config import MoEConfig
+
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config: expected a MoEConfig, got {type(config).__name__}")
+    if not isinstance(weights, MoELayerWeights):
+        raise TypeError(f"weights: expected a MoELayerWeights, got {type(weights).__name__}")
     r = weights.router
+    checks = (("hidden_size", config.hidden_size, r.weight.shape[1], "the gate weight's H"),
+              ("n_routed_experts", config.n_routed_experts, r.weight.shape[0], "the gate weight's E"),
+              ("num_experts_per_tok", config.num_experts_per_tok,
+               r.tid2eid.shape[1] if r.tid2eid is not None else config.num_experts_per_tok, "tid2eid's k"))
+    for key, want, got, what in checks:
+        if want != got:
+            raise ValueError(f"moe_forward: config.{key}={want} but {what} is {got}: the config and the weights "
+                             f"describe different layers")
     tw, ids = route(x, r.weight, r.bias, r.tid2eid, input_ids, config.num_experts_per_tok,
                     config.routed_scaling_factor)
     q, sa = act_quant(x)
@@ -114,6 +134,8 @@ def moe_forward(x: torch.Tensor, input_ids: Optional[torch.Tensor], weights: MoE
 
 def combine(acc: torch.Tensor, shared: torch.Tensor, weights: MoELayerWeights, *, group=None) -> torch.Tensor:
     """Add the shared expert and reduce across ranks with one final bf16 rounding (SPEC §4.5, §6)."""
+    if acc.shape != shared.shape:
+        raise ValueError(f"combine: acc {tuple(acc.shape)} and shared {tuple(shared.shape)}: expected the same [T, H]")
     if weights.tp_size * weights.ep_size > 1:
         check_group(weights, group)
     if weights.tp_size > 1:

@@ -57,6 +57,14 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], t
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"route: x.shape={tuple(x.shape)} and weight.shape={tuple(weight.shape)}: expected [T, H] "
                          f"and [E, H] with the same H")
+    e = weight.shape[0]
+    if tid2eid is None:
+        if bias.shape != (e,):
+            raise ValueError(f"route: bias.shape={tuple(bias.shape)}: expected [{e}] (one per expert of weight)")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e:
+            raise ValueError(f"route: top_k={top_k!r}: expected an int in [1, {e}]")
+    elif tid2eid.dim() != 2 or tid2eid.dtype.is_floating_point:
+        raise ValueError(f"route: tid2eid {tuple(tid2eid.shape)} {tid2eid.dtype}: expected an int [vocab, k] table")
     scores = router_scores(x, weight)
     if tid2eid is not None:
         if input_ids is None:
@@ -68,7 +76,12 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], t
                 and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < tid2eid.shape[0]:
             raise ValueError(f"route: input_ids in [{int(input_ids.min())}, {int(input_ids.max())}]: expected ids in "
                              f"[0, {tid2eid.shape[0]}) (the rows of tid2eid)")
+        if input_ids.dtype.is_floating_point:
+            raise ValueError(f"route: input_ids.dtype={input_ids.dtype}: expected an int dtype (token ids)")
         ids = tid2eid[input_ids.long()].long()
+        if ids.numel() and not _capturing(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < e:
+            raise ValueError(f"route: tid2eid gives expert ids in [{int(ids.min())}, {int(ids.max())}] for these "
+                             f"tokens: expected ids in [0, {e}) (the rows of weight)")
     else:
         ids = torch.topk(scores + bias.float(), top_k, dim=-1).indices
     ids, _ = torch.sort(ids, dim=-1, stable=True)
