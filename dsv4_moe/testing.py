@@ -50,9 +50,13 @@ def random_mxfp4_weight(shape_nk: tuple[int, ...], *, generator: torch.Generator
     |w| is ~0.04, the size of an N(0, 0.02) weight.
     """
     *lead, n, k = shape_nk
+    if k % 32 or k < 32:
+        raise ValueError(f"shape_nk={tuple(shape_nk)}: K={k} must be a positive multiple of 32 (MXFP4 groups)")
+    lo, hi = scale_range
+    if not 0 <= lo <= hi <= 254:
+        raise ValueError(f"scale_range={scale_range!r}: expected 0 <= lo <= hi <= 254 (e8m0 bytes; 255 is NaN)")
     dev = generator.device
     packed = torch.randint(0, 256, (*lead, n, k // 2), generator=generator, dtype=torch.uint8, device=dev)
-    lo, hi = scale_range
     scale = torch.randint(lo, hi + 1, (*lead, n, k // 32), generator=generator, dtype=torch.uint8, device=dev)
     scale = scale.view(torch.float8_e8m0fnu)
     return (packed, scale) if device is None else (packed.to(device), scale.to(device))
@@ -63,8 +67,17 @@ def random_layer_weights(config: MoEConfig, *, layer_idx: int = 0, seed: int = 0
                          hash_layer: Optional[bool] = None) -> MoELayerWeights:
     """A synthetic layer with this rank's shapes (I/tp per rank, E/ep local experts), drawn
     on `device` (values depend on the device's generator; a rank's values on its ranks)."""
+    from .weights import check_device
+
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config: expected a MoEConfig, got {type(config).__name__}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 40:
+        raise ValueError(f"seed={seed!r}: expected an int in [0, 2^40)")
+    if hash_layer is not None and not isinstance(hash_layer, bool):
+        raise TypeError(f"hash_layer={hash_layer!r}: expected True, False or None (the config's choice)")
+    config.is_hash_layer(layer_idx)  # raises naming a layer the config does not have
     config.check_parallel(tp_rank=tp_rank, tp_size=tp_size, ep_rank=ep_rank, ep_size=ep_size)
-    dev = torch.device(device)
+    dev = check_device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     g = torch.Generator(device=dev)

@@ -234,3 +234,33 @@ def test_reference_entry_points_name_bad_arguments():
     q, sa = R.act_quant(xt)
     with pytest.raises(ValueError, match="routed_forward: q"):
         R.routed_forward(q, sa, torch.ones(2, 6), torch.zeros(2, 5, dtype=torch.long), lw.routed, 10.0)
+
+
+def test_testing_helpers_name_bad_arguments(tmp_path):
+    """The synthetic-weight helpers refuse what they used to take silently or fail on deep inside torch:
+    a K that is not whole MXFP4 groups (a column was dropped), NaN scale bytes, a non-config, a seed
+    out of range, a truthy string for hash_layer, a layer the config lacks, a device torch cannot make;
+    write_checkpoint names a layers argument that is not a list."""
+    from dsv4_moe import MoEConfig
+    from dsv4_moe.testing import random_layer_weights, random_mxfp4_weight
+    from dsv4_moe.weights import write_checkpoint
+
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match="K=33 must be a positive multiple of 32"):
+        random_mxfp4_weight((4, 33), generator=g)
+    with pytest.raises(ValueError, match=r"scale_range=\(255, 255\)"):
+        random_mxfp4_weight((4, 64), generator=g, scale_range=(255, 255))
+    cfg = MoEConfig.tiny()
+    for kw, err, match in (({"config": None}, TypeError, "config: expected a MoEConfig"),
+                           ({"seed": 2 ** 62}, ValueError, "seed=4611686018427387904"),
+                           ({"seed": 1.5}, ValueError, "seed=1.5"),
+                           ({"hash_layer": "no"}, TypeError, "hash_layer='no'"),
+                           ({"layer_idx": 5}, ValueError, "5"),
+                           ({"device": "bogus"}, ValueError, "device='bogus'"),
+                           ({"device": "meta"}, ValueError, "device='meta'")):
+        args = {"config": cfg, **kw}
+        with pytest.raises(err, match=match):
+            random_layer_weights(args.pop("config"), **args)
+    with pytest.raises(TypeError, match="layers=1: expected an iterable"):
+        write_checkpoint(tmp_path / "x", cfg, layers=1)
+    assert not (tmp_path / "x").exists()

@@ -178,6 +178,8 @@ def write_checkpoint(checkpoint_dir: str | os.PathLike, config: MoEConfig, *, la
         raise ValueError(f"config.moe_intermediate_size={config.moe_intermediate_size}: the loader needs a multiple of "
                          f"{FP8_BLOCK} (the shared expert's FP8 block; its gate and up scales are merged per block), "
                          f"so this checkpoint could not be read back")
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+        raise TypeError(f"layers={layers!r}: expected an iterable of layer indices, e.g. [3, 4]")
     layers = list(layers)
     if not layers:
         raise ValueError("layers=[]: expected at least one layer index")
