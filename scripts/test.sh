@@ -7,6 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 $PY -m pip install -q "torch==2.13.0"
-$PY -m pip install -q "triton==3.6.0" "safetensors>=0.4" numpy tqdm "transformers>=5.17" "pytest>=8" setuptools wheel
+$PY -m pip install -q "triton==3.6.0" "safetensors>=0.4" numpy tqdm "transformers>=5.17" "pytest>=8" "setuptools>=77" wheel
 $PY -m pip install -q --no-deps --no-build-isolation -e .
 exec $PY -m pytest -q "$@"
