@@ -20,7 +20,9 @@ def _on(fn, *args):
 
 def _case(t, k, h, e, seed):
     g = torch.Generator().manual_seed(seed)
-    y = torch.randn(t, k, h, generator=g).bfloat16()
+    # magnitudes spread over 2^-12 .. 2^12 per element: the fp32 sums of these bf16 terms are
+    # inexact, so the summation order shows in the bits (equal magnitudes sum exactly in any order)
+    y = (torch.randn(t, k, h, generator=g) * torch.randint(-12, 13, (t, k, h), generator=g).float().exp2()).bfloat16()
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).sort(1).values
     shared = torch.randn(t, h, generator=g).bfloat16()
     return y, ids, shared
@@ -46,6 +48,15 @@ def test_fused_equals_unfused_and_reference(t, h):
     _bits_equal(_on(finalize_partial, y, ids, first, nl), acc_ref, "partial vs reference")
     _bits_equal(fused, (acc_ref + shared.float()).bfloat16(), "fused vs reference")
     _bits_equal(_on(finalize_shared_add, y, ids.int(), first, nl), acc_ref.bfloat16(), "no shared")
+    # negative control: the check sees the order - the same local rows summed right to left (or
+    # pairwise, as a tree reduction over the slots would) give other fp32 bits on these inputs
+    # (order needs >= 3 local terms in a token: T = 1 here has one, so it has no order to see)
+    local = ref.local_mask(ids, first, nl)
+    assert (local.sum(1) >= 3).any() or t == 1
+    if (local.sum(1) >= 3).any():
+        yl = torch.where(local[..., None], torch.nan_to_num(y).float(), 0.0)
+        assert not torch.equal(ref.finalize(y.flip(1).nan_to_num(), ids.flip(1), first, nl), acc_ref)
+        assert not torch.equal((yl[:, 0::2] + yl[:, 1::2]).sum(1), acc_ref)
 
 
 def test_negative_zero_sum_kept():

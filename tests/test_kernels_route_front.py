@@ -16,6 +16,7 @@ from dsv4_moe.kernels.moe_align import moe_align  # noqa: E402
 from dsv4_moe.kernels.route_front import FRONT_MAX_T, front_limits, route_front  # noqa: E402
 from dsv4_moe.kernels.router import router_logits_gemv  # noqa: E402
 from dsv4_moe.kernels.split_k import tile_counters  # noqa: E402
+from dsv4_moe.testing import assert_bitwise_equal  # noqa: E402
 
 SCALE = 2.5
 RAW = _triton_interp.INTERPRETING            # the raw-logits selection exists only under the interpreter
@@ -76,12 +77,10 @@ def test_front_bitwise_separate(monkeypatch, t, h, e, k, num_local, first, block
                       block_m=block_m, pairs=pairs, _raw_logits=RAW)
     exp = _separate(x, w, bias, tid2eid, input_ids, k, num_local, first, block_m, pairs)
     for name, a, b in zip(("topk_weights", "topk_ids", "q", "sa"), got[:4], exp[:4]):
-        assert a.dtype == b.dtype and a.shape == b.shape, name
-        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), name
+        assert_bitwise_equal(a, b, name)
     assert (got[4] is None) == (not pairs)
     if pairs:
-        assert torch.equal(got[4], exp[4])
+        assert_bitwise_equal(got[4], exp[4], "pairs")
     ga, ea = got[5], exp[5]
     assert (ga.block_m, ga.top_k, ga.num_routes, ga.max_blocks) == (ea.block_m, ea.top_k, ea.num_routes, ea.max_blocks)
     for f in _FIELDS:

@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from dsv4_moe import reference as ref  # noqa: E402
-from dsv4_moe.testing import MAX_REL  # noqa: E402
+from dsv4_moe.testing import MAX_REL, assert_bitwise_equal  # noqa: E402
 from dsv4_moe.kernels.router import gemv_blocks, mma_blocks, route_topk, router_logits_gemv, router_logits_mma  # noqa: E402
 
 # the kernels' device: the GPU when Triton runs natively, else the CPU (interpreter)
@@ -61,7 +61,8 @@ def test_exact_scores_bitwise():
     w = w.bfloat16().to(DEV)
     tw, ids = route_topk(x, w, bias, None, None, k, SCALE)
     rw, rids = ref.route(x, w, bias, None, None, k, SCALE)
-    assert torch.equal(ids.long(), rids) and torch.equal(tw, rw)
+    assert torch.equal(ids.long(), rids)
+    assert_bitwise_equal(tw, rw, "route weights")
 
 
 @pytest.mark.parametrize("logits_impl", ["mm", "gemv"])
@@ -113,7 +114,7 @@ def test_logits_gemv(t, e, h, wdtype):
     # exact sums (one-hot rows): bitwise
     w1 = torch.zeros(e, h, dtype=wdtype)
     w1[torch.arange(e), torch.arange(e) * 3 % h] = 2.0
-    assert torch.equal(router_logits_gemv(x.to(DEV), w1.to(DEV)).cpu(), x.float() @ w1.float().T)
+    assert_bitwise_equal(router_logits_gemv(x.to(DEV), w1.to(DEV)).cpu(), x.float() @ w1.float().T, "exact logits")
 
 
 @pytest.mark.parametrize("t,e,h,blocks", [
@@ -139,11 +140,11 @@ def test_logits_mma(t, e, h, blocks):
     bound = 4 * h * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)
     bad = (got.cpu().double() - exact).abs() > bound
     assert not bad.any(), f"{int(bad.sum())} logits off the fp32 bound; first at {bad.nonzero()[0].tolist()}"
-    assert torch.equal(router_logits_mma(xd, wd, blocks), got)
+    assert_bitwise_equal(router_logits_mma(xd, wd, blocks), got, "a second run")
     assert int(tile_counters(xd.device, 1).abs().sum()) == 0, "arrival counters not reset"
     w1 = torch.zeros(e, h, dtype=torch.bfloat16)
     w1[torch.arange(e), torch.arange(e) * 5 % h] = 2.0
-    assert torch.equal(router_logits_mma(xd, w1.to(DEV), blocks).cpu(), x.float() @ w1.float().T)
+    assert_bitwise_equal(router_logits_mma(xd, w1.to(DEV), blocks).cpu(), x.float() @ w1.float().T, "exact logits")
     # negative control: a gate row shifted by one column is far outside the bound
     shifted = router_logits_mma(xd, torch.roll(wd, 1, dims=1), blocks).cpu()
     assert ((shifted.double() - exact).abs() > bound).any()
@@ -265,12 +266,11 @@ def test_act_quant_in_logits(t, e, h, impl, pairs):
     plain = route_topk(x, w, bias, None, None, 6, SCALE, logits_impl=impl)
     want = act_quant(x, pairs=pairs)
     assert len(got) == 2 + len(want)
-    assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
-    assert torch.equal(got[2].view(torch.uint8), want[0].view(torch.uint8))
-    for a, b in zip(got[3:], want[1:]):
-        assert torch.equal(a, b)
+    for a, b, what in zip(got, plain + want, ("weights", "ids", "q", "sa", "pairs")):
+        assert_bitwise_equal(a, b, what)
     q_ref, s_ref = ref.act_quant(x.cpu())
-    assert torch.equal(got[2].view(torch.uint8).cpu(), q_ref.view(torch.uint8)) and torch.equal(got[3].cpu(), s_ref)
+    assert_bitwise_equal(got[2].cpu(), q_ref, "q vs the reference")
+    assert_bitwise_equal(got[3].cpu(), s_ref, "sa vs the reference")
     other = act_quant(torch.roll(x, 1, dims=0))[0]  # negative control
     assert t == 1 or not torch.equal(got[2].view(torch.uint8), other.view(torch.uint8))
 
@@ -359,7 +359,8 @@ def test_after_logits_hook():
     plain = route_topk(x, w, bias, None, None, 4, SCALE, logits_impl="gemv")
     assert len(seen) == 1 and len(seen[0]) == 3
     assert all(a is b for a, b in zip(seen[0], got[2:]))
-    assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+    assert_bitwise_equal(got[0], plain[0], "weights")
+    assert_bitwise_equal(got[1], plain[1], "ids")
     with pytest.raises(ValueError, match="after_logits: needs act_quant"):
         route_topk(x, w, bias, None, None, 4, SCALE, logits_impl="gemv", after_logits=lambda *a: None)
 

@@ -29,12 +29,14 @@ def assert_bytes_equal(a, b, what):
 
 
 def _gate_up(m, i, seed, gate_scale=4.0, up_scale=4.0):
-    """bf16 [m, 2i]; gates whose fp32 exp(-g) is identical in numpy and torch."""
+    """bf16 [m, 2i]; gates whose fp32 silu is identical computed as the interpreted kernel does
+    (g / (1 + exp(-g)), numpy's exp) and as the reference does (torch's F.silu). Gates past the
+    +10 clamp pass the filter (silu(10) agrees), so the clamp is exercised here too."""
     g = torch.Generator().manual_seed(seed)
     gate = (torch.randn(m * i * 3, generator=g) * gate_scale).bfloat16().float()
     if not torch.cuda.is_available():
         gc = gate.clamp(max=10.0)
-        same = torch.from_numpy(np.exp(-gc.numpy())) == torch.exp(-gc)
+        same = gc / (1 + torch.from_numpy(np.exp(-gc.numpy()))) == torch.nn.functional.silu(gc)
         gate = gate[same]
     gate = gate[: m * i].view(m, i)
     up = torch.randn(m, i, generator=g) * up_scale
@@ -59,10 +61,13 @@ def run_both(x, **kw):
 @pytest.mark.parametrize("m,i", [(1, 128), (3, 384), (9, 256), (4, 200), (40, 136), (40, 144)])
 def test_matches_reference_bitwise(m, i):
     x = _gate_up(m, i, seed=m * 7 + i)
+    assert (x[:, :i].float() > 10.0).any() or m * i < 1000, "no gate past the clamp: the inputs cannot see it"
     rq, rs = ref.swiglu_quant(x, 10.0)
     for name, (q, s) in run_both(x).items():
         assert_bytes_equal(s, rs, f"{name} scales m={m} i={i}")
         assert_bytes_equal(q, rq, f"{name} codes m={m} i={i}")
+    if (x[:, :i].float() > 10.0).any():  # negative control: without the clamps the codes differ
+        assert not torch.equal(ref.swiglu_quant(x, 1e30)[0].view(torch.uint8), rq.view(torch.uint8))
 
 
 def test_route_weight_applied_before_rounding():
