@@ -65,9 +65,13 @@ def _worker(rank, world, port, mode, layer_idx, q):
             ref = reference.moe_forward(x, ids, full, CFG)
             # the negative control: the reference without the SwiGLU clamps
             unclamped = reference.moe_forward(x, ids, full, dataclasses.replace(CFG, swiglu_limit=1e30))
+            # and without the shared expert (its down projection zeroed)
+            s = full.shared
+            no_shared = reference.moe_forward(x, ids, dataclasses.replace(
+                full, shared=type(s)(s.gate_up, s.gate_up_scale, torch.zeros_like(s.down), s.down_scale)), CFG)
             # numpy copies pickle by value (torch tensors would be shared-memory handles
             # that die with this process)
-            q.put(("ok", out.float().numpy(), (ref.float().numpy(), unclamped.float().numpy())))
+            q.put(("ok", out.float().numpy(), tuple(r.float().numpy() for r in (ref, unclamped, no_shared))))
     except Exception as e:  # report to the parent instead of hanging it
         q.put(("error", repr(e), None))
         raise
@@ -89,15 +93,17 @@ def test_two_ranks_match_single_rank(mode):
         p.join(timeout=60)
     assert status == "ok", out
     out = torch.from_numpy(out).to(torch.bfloat16)
-    ref, unclamped = (torch.from_numpy(r).to(torch.bfloat16) for r in refs)
+    ref, unclamped, no_shared = (torch.from_numpy(r).to(torch.bfloat16) for r in refs)
     # EP: partial sums associate differently (p0 + p1 vs one left-to-right sum);
     # TP: each rank's down GEMM output is rounded to bf16 before the reduce.
     recipe = "layer" if mode == "ep" else "tp_vs_single_rank"
     assert_bf16_close(out, ref, recipe, f"{mode}2 vs single rank")
     assert not torch.equal(out, torch.zeros_like(out))
-    # the bound would catch a missing clamp on these inputs (TP's recipe bounds only rel L2)
-    with pytest.raises(AssertionError):
-        assert_bf16_close(out, unclamped, recipe, f"{mode}2 vs the unclamped reference")
+    # the bound would catch a missing clamp or a missing shared expert on these inputs (TP's recipe
+    # bounds only rel L2: 1e-2, against ~2e-2 for the clamps and ~0.15 for the shared expert here)
+    for wrong, what in ((unclamped, "the unclamped reference"), (no_shared, "the reference without its shared expert")):
+        with pytest.raises(AssertionError):
+            assert_bf16_close(out, wrong, recipe, f"{mode}2 vs {what}")
 
 
 def _bad_group(rank, full, q):

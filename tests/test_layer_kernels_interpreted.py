@@ -2,6 +2,8 @@
 path bitwise equal to its unfused twin, and the layer against the CPU reference.
 On the GPU the same comparisons run natively in scripts/gpu_check_layer.py."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -41,8 +43,17 @@ def test_layer_kernel_paths(kernels_on_cpu, li, layout):
     assert_bitwise_equal(fused, unfused, "fused vs unfused layer", layer=li)
     with force_paths(front="separate"):  # act_quant in its own launch
         assert_bitwise_equal(layer(x, ids), fused, "quant_in_logits vs separate front", layer=li)
-    ref = reference.moe_forward(x.cpu(), ids.cpu(), w.to("cpu"), CFG)
+    wc = w.to("cpu")
+    ref = reference.moe_forward(x.cpu(), ids.cpu(), wc, CFG)
     assert_bf16_close(fused.cpu(), ref, "layer", "kernel layer vs CPU reference", layer=li)
+    # negative controls: the recipe sees a layer without its shared expert or without the clamps
+    s = wc.shared
+    no_shared = dataclasses.replace(wc, shared=type(s)(s.gate_up, s.gate_up_scale, torch.zeros_like(s.down),
+                                                       s.down_scale))
+    for wrong in (reference.moe_forward(x.cpu(), ids.cpu(), no_shared, CFG),
+                  reference.moe_forward(x.cpu(), ids.cpu(), wc, dataclasses.replace(CFG, swiglu_limit=1e30))):
+        with pytest.raises(AssertionError):
+            assert_bf16_close(fused.cpu(), wrong, "layer")
 
 
 @pytest.mark.slow
@@ -117,9 +128,12 @@ def test_routed_align_ahead_of_the_routed_stage(kernels_on_cpu, t):
     ahead = stages.routed_experts_triton(*args, q_pairs=q_pairs, align=align)
     itself = stages.routed_experts_triton(*args, q_pairs=q_pairs)
     assert_bitwise_equal(ahead, itself, "routed stage with the alignment passed in", T=t)
-    # negative control: an alignment of other routes gives other rows
-    other = stages.routed_align(topk_w, topk_ids.flip(1).roll(1, dims=0), layer.routed)
-    assert t == 1 or not torch.equal(other.sorted_route_ids, align.sorted_route_ids)
+    # negative control: an alignment of other routes reaches the output (the stage reads its rows
+    # from the alignment passed in, so the check above can see a wrong one)
+    if t > 1:
+        other = stages.routed_align(topk_w, topk_ids.flip(1).roll(1, dims=0), layer.routed)
+        wrong = stages.routed_experts_triton(*args, q_pairs=q_pairs, align=other)
+        assert not torch.equal(wrong.view(torch.int16), itself.view(torch.int16))
 
 
 @pytest.mark.parametrize("t", [1, 3])

@@ -6,7 +6,7 @@ import torch
 
 from dsv4_moe import reference as R
 from dsv4_moe.reference.quant import scale_to_e8m0_bits
-from dsv4_moe.testing import assert_bitwise_equal, random_fp8_block_weight, random_mxfp4_weight
+from dsv4_moe.testing import random_fp8_block_weight, random_mxfp4_weight
 from dsv4_moe.weights.formats import (dequant_fp8_block, dequant_mxfp4, e2m1_codes_to_float, e8m0_to_float32,
                                       pack_e2m1, unpack_e2m1)
 
@@ -264,3 +264,49 @@ def test_testing_helpers_name_bad_arguments(tmp_path):
     with pytest.raises(TypeError, match="layers=1: expected an iterable"):
         write_checkpoint(tmp_path / "x", cfg, layers=1)
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("layer_idx", [0, 1], ids=["hash_layer", "topk_layer"])
+def test_quantised_layer_tracks_the_unquantised_layer(layer_idx):
+    """The whole quantised reference (FP8 activations, MXFP4 / FP8 weights, bf16 rounding points)
+    against the same layer with quantisation switched off (its dequantised weights, fp32
+    activations), which tests/test_reference_oracle.py ties to transformers. Only the activation
+    quantisation separates them (rel L2 ~0.05); each negative control - a routed_scaling_factor off
+    by 1.25x, the shared expert dropped, one expert's down scales doubled, the clamps removed -
+    is outside the bound on the same inputs, so a wiring error of that size in moe_forward (which
+    every kernel is tested against) cannot hide here."""
+    import dataclasses
+
+    from dsv4_moe.config import MoEConfig
+    from dsv4_moe.testing import TOLERANCES, random_layer_weights
+    from dsv4_moe.weights.tensors import RoutedExpertWeights, SharedExpertWeights
+
+    cfg = MoEConfig(hidden_size=256, moe_intermediate_size=128, n_routed_experts=16, num_experts_per_tok=6,
+                    routed_scaling_factor=2.5, num_hidden_layers=2, num_hash_layers=1, vocab_size=64)
+    bound = TOLERANCES["quantised_vs_unquantised"].max_rel_l2
+    w = random_layer_weights(cfg, layer_idx=layer_idx, seed=1)
+    g = torch.Generator().manual_seed(layer_idx)
+    x = (torch.randn(40, cfg.hidden_size, generator=g) * 4.0).to(torch.bfloat16)  # clamps active
+    ids = torch.randint(0, cfg.vocab_size, (40,), generator=g)
+    want = R.moe_forward_unquantised(x, ids, w, cfg, torch.float32)
+
+    def rel(got):
+        return ((got.float() - want).norm() / want.norm()).item()
+
+    assert rel(R.moe_forward(x, ids, w, cfg)) <= bound
+    s, r = w.shared, w.routed
+    _, routed_ids = R.route(x, w.router.weight, w.router.bias, w.router.tid2eid, ids, 6, 2.5)
+    e = int(routed_ids.flatten().mode().values)  # the most used expert
+    down_scale = r.down_scale.view(torch.uint8).clone()
+    down_scale[e] += 1
+    wrong = {
+        "routed_scaling_factor x1.25": (w, dataclasses.replace(cfg, routed_scaling_factor=2.5 * 1.25)),
+        "no shared expert": (dataclasses.replace(w, shared=SharedExpertWeights(
+            s.gate_up, s.gate_up_scale, torch.zeros_like(s.down), s.down_scale)), cfg),
+        f"expert {e}'s down scales x2": (dataclasses.replace(w, routed=RoutedExpertWeights(
+            r.gate_up, r.gate_up_scale, r.down, down_scale.view(torch.float8_e8m0fnu),
+            first_expert=r.first_expert, num_experts=r.num_experts)), cfg),
+        "no clamps": (w, dataclasses.replace(cfg, swiglu_limit=1e30)),
+    }
+    for what, (wi, ci) in wrong.items():
+        assert rel(R.moe_forward(x, ids, wi, ci)) > 1.5 * bound, what
