@@ -2,8 +2,8 @@
 helpers that point at the bad element, and the one tolerance table.
 
 `random_layer_weights` builds a MoELayerWeights directly on any device (fast at full
-size: random e2m1 codes and realistic e8m0 scales, FP8 weights from N(0, 0.02) with
-UE8M0 block scales), without going through the safetensors writer; the benchmark's
+size: random e2m1 codes and e8m0 scales, FP8 shared-expert weights from
+N(0, SHARED_SYNTH_STD) with UE8M0 block scales), without going through the safetensors writer; the benchmark's
 synthetic layers are these. Checkpoint-format tests use
 `dsv4_moe.weights.write_checkpoint` instead.
 """
@@ -53,7 +53,8 @@ def random_mxfp4_weight(shape_nk: tuple[int, ...], *, generator: torch.Generator
     """Random e2m1 codes (packed, [..., N, K/2] uint8) and e8m0 scales ([..., N, K/32]).
 
     Scale bytes 118..124 give 2^-9 .. 2^-3: with uniform codes (|e2m1| up to 6) the mean
-    |w| is ~0.04, the size of an N(0, 0.02) weight.
+    |w| is ~0.08 and the rms ~0.16 (measured, 512 x 4096), larger than a trained layer's, so
+    that layer tests exercise the SwiGLU clamps.
     """
     *lead, n, k = shape_nk
     if k % 32 or k < 32:
@@ -163,8 +164,11 @@ TOLERANCES: dict[str, Tolerance] = {
     "fp4_gemm": Tolerance(0.02, 1, 1e-3),
     # a layer output passes through two GEMMs, a requantisation and the combine: a 1-ulp
     # flip in the first GEMM can move an FP8 code of the activation, which moves the
-    # output by a few ulps; still far from a factor-of-2 scale error.
-    "layer": Tolerance(0.10, 8, 1e-2),
+    # output by a few ulps; still far from a factor-of-2 scale error. Measured on the H200
+    # (gpu_check_layer.py, both presets, T = 1-8192, sessions 36-46): at most 1.0 % of outputs
+    # differ, by at most 4 ulp, rel L2 <= 3.2e-4; the interpreted layer on CPU is bitwise. Until
+    # session 46 this was (10 %, 8 ulp, 1e-2), some 30x the measured rel L2.
+    "layer": Tolerance(0.03, 8, 2e-3),
     # TP: every rank rounds its partial down-GEMM output to bf16 before the fp32 reduce,
     # so each partial carries up to 2^-9 relative error and cancellation between ranks
     # magnifies it in ulps of the small results; rel L2 stays ~3e-3. A wrong slice

@@ -2,7 +2,7 @@
 
 One generator serves tests and benchmarks: `dsv4_moe.testing.random_layer_weights`
 (router ~ N(0, 0.02) bf16 with a small fp32 bias or a uniform tid2eid table; shared
-expert N(0, 0.02) quantised per 128x128 block to e4m3 with UE8M0 scales; routed experts
+expert N(0, SHARED_SYNTH_STD = 0.08) quantised per 128x128 block to e4m3 with UE8M0 scales; routed experts
 uniform e2m1 codes with e8m0 scale bytes in E8M0_SYNTH_RANGE). Only the local experts
 (EP) and the per-rank intermediate I / tp_size (TP) are made.
 """
