@@ -149,8 +149,11 @@ TOLERANCES: dict[str, Tolerance] = {
     # an output that cancels to far below its terms can move by more than 1 ulp of its own from a
     # last-bit change of its partials: the in-block fp32 order freedom itself, worst case 128
     # additions of ~2^-24 each on the terms' magnitude (2^-17), with margin (2^-16). A 2x scale
-    # moves outputs by ~magnitude / sqrt(K) >= 2^-7 of it.
-    "fp8_gemm": Tolerance(0.02, 1, 1e-3, max_rel_magnitude=2.0 ** -16),
+    # moves outputs by ~magnitude / sqrt(K) >= 2^-7 of it. The CUDA-core GEMV and the 16-row
+    # mma.sync tiles matched the reference bit for bit at every shape measured on the H200; the 1 %
+    # share is tests/test_kernels_fp8_gemm.py's (it read this recipe's 2 % until session 47, when
+    # the test kept its own 1 % beside it).
+    "fp8_gemm": Tolerance(0.01, 1, 1e-3, max_rel_magnitude=2.0 ** -16),
     # The FP8 wgmma tiles (M > 16) sum each 32-wide K chunk inside the tensor core before the fp32
     # promotion (SPEC §4.3's documented deviation). On the H200 on SwiGLU-quant codes (session 38,
     # tests/test_kernels_fp8_gemm.py test_down_on_swiglu_quant_codes): 4.6-4.9 % of outputs differ,

@@ -22,8 +22,8 @@ from dsv4_moe.kernels.deep_gemm_fp8 import deep_gemm_supported
 from dsv4_moe.testing import TOLERANCES, local_mismatch_frac
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-MAX_DIFF_FRACTION = 0.01
-MAX_ULP = 1
+MAX_DIFF_FRACTION = TOLERANCES["fp8_gemm"].max_mismatch_frac
+MAX_ULP = TOLERANCES["fp8_gemm"].max_ulp
 # On the GPU the wgmma tiles (BLOCK_M = 64: M > 16 under choose_config, but for the mid-M rule's
 # mma.sync blocks on narrow GEMMs, MID_M_MAX_N) sum each 32-wide
 # K chunk inside the FP8 tensor core (tl.dot max_num_imprecise_acc = 32) before the fp32
