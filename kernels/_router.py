@@ -228,86 +228,11 @@ def _route_topk_kernel(
     PACKED: tl.constexpr = False,  # one packed (score, index) max per round (_topk_token)
     PARTS: tl.constexpr = 1,  # > 1: scores_ptr holds PARTS logit partials [PARTS, T, E] (_topk_token)
     part_stride=0,            # elements between two partials (T * E)
-    SCALAR_TAIL: tl.constexpr = False,  # PACKED, not HASH: picks carried as scalars (_topk_token)
 ):
     pdl_enter(PDL)
     _topk_token(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out_ids_ptr,
                 tl.program_id(0).to(tl.int64), E, stride_s, stride_tab, scale,
-                TOP_K, K_PAD, E_PAD, HAS_BIAS, HASH, APPLY_SCORES, PACKED, PARTS, part_stride, SCALAR_TAIL)
-
-
-@triton.jit
-def _biased(scores, bias_ptr, col, in_range, HAS_BIAS: tl.constexpr):
-    """The selection scores: scores + bias, -inf past E."""
-    biased = scores
-    if HAS_BIAS:
-        biased = scores + tl.load(bias_ptr + col, mask=in_range, other=0.0)
-    return tl.where(in_range, biased, float("-inf"))
-
-
-@triton.jit
-def _packed_keys(biased, col, E_PAD: tl.constexpr):
-    """PACKED's int64 keys: order-preserving bits of the biased score << 32 | (E_PAD - 1 - index), so
-    one max is the largest score and, among exact ties, the lowest index."""
-    bits = (biased + 0.0).to(tl.int32, bitcast=True)
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order = float order
-    return (ordered.to(tl.int64) << 32) | (E_PAD - 1 - col).to(tl.int64)
-
-
-@triton.jit
-def _max_key_with_score(k1, s1, k2, s2):
-    """tl.reduce combine: the larger packed key and the unbiased score that rides with it (keys are
-    distinct, so which operand wins never depends on the reduction's order)."""
-    take = k1 > k2
-    return tl.where(take, k1, k2), tl.where(take, s1, s2)
-
-
-@triton.jit
-def _topk_scalar_tail(key, scores, col, out_w_ptr, out_ids_ptr, t, scale,
-                      TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr):
-    """The packed selection with each pick kept as a scalar: round j is one block-wide max of the
-    packed keys that carries the unbiased score of the winning column (the value the select-sum
-    gather reads), and the rank among the picks (ascending id), the renormalisation sum in that
-    order and the divide are then scalar code, the same in every thread - no reduction, no layout
-    conversion and no CTA barrier after the rounds. The same picks, the same fp32 adds in the same
-    order and the same IEEE divide as the vector tail, so the same bits."""
-    es = ()
-    ss = ()
-    for j in tl.static_range(TOP_K):
-        kmax, s = tl.reduce((key, scores), 0, _max_key_with_score)
-        e = (E_PAD - 1 - (kmax & 0xFFFFFFFF)).to(tl.int32)
-        key = tl.where(col == e, -9223372036854775807 - 1, key)
-        es = es + (e,)
-        ss = ss + (s,)
-    ranks = ()
-    for j in tl.static_range(TOP_K):  # the picks are distinct ids: rank = how many are smaller
-        r = tl.zeros([], tl.int32)
-        for i in tl.static_range(TOP_K):
-            if i != j:
-                r += (es[i] < es[j]).to(tl.int32)
-        ranks = ranks + (r,)
-    wsum = ss[0]
-    for j in tl.static_range(1, TOP_K):
-        wsum = tl.where(ranks[j] == 0, ss[j], wsum)     # the smallest id's score: the sum's first term
-    for r in tl.static_range(1, TOP_K):
-        v = ss[0]
-        for j in tl.static_range(1, TOP_K):
-            v = tl.where(ranks[j] == r, ss[j], v)
-        wsum += v
-    # back to [K_PAD] vectors (selects, no communication) for one divide and one store per thread
-    kk = tl.arange(0, K_PAD)
-    sel_ids = tl.full([K_PAD], 0, tl.int32)
-    sel_w = tl.zeros([K_PAD], tl.float32)
-    rank = tl.full([K_PAD], 0, tl.int32)
-    for j in tl.static_range(TOP_K):
-        sel_ids = tl.where(kk == j, es[j], sel_ids)
-        sel_w = tl.where(kk == j, ss[j], sel_w)
-        rank = tl.where(kk == j, ranks[j], rank)
-    valid = kk < TOP_K
-    # div_rn: IEEE division, torch's `/` (as the vector tail)
-    w = tl.math.div_rn(sel_w, wsum) * scale
-    tl.store(out_ids_ptr + t * TOP_K + rank, sel_ids, mask=valid)
-    tl.store(out_w_ptr + t * TOP_K + rank, w, mask=valid)
+                TOP_K, K_PAD, E_PAD, HAS_BIAS, HASH, APPLY_SCORES, PACKED, PARTS, part_stride)
 
 
 @triton.jit
@@ -315,8 +240,7 @@ def _topk_token(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out
                 t, E, stride_s, stride_tab, scale,
                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
                 HAS_BIAS: tl.constexpr, HASH: tl.constexpr, APPLY_SCORES: tl.constexpr,
-                PACKED: tl.constexpr = False, PARTS: tl.constexpr = 1, part_stride=0,
-                SCALAR_TAIL: tl.constexpr = False):
+                PACKED: tl.constexpr = False, PARTS: tl.constexpr = 1, part_stride=0):
     """Route token t (the top-k program's body; `_topk_tokens` is its all-tokens-at-once
     twin). PARTS > 1: the logits are the split-K partials of `_router_logits_mma_kernel`
     (ARRIVE=False), summed here in split order from +0.0 - the sum that kernel's last
@@ -329,10 +253,7 @@ def _topk_token(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out
     scores of the k picks are gathered once after the rounds (the same one-element
     select-sums), so the same bits with one block-wide reduction per round instead of
     three. The biased score gets + 0.0 first so that -0.0 and +0.0 tie, as they compare
-    equal in the unpacked rounds.
-
-    SCALAR_TAIL (PACKED, not HASH): `_topk_scalar_tail` - the picks as scalars, their unbiased scores
-    carried by the rounds' maxima, the rank, sum and divide in scalar code; the same bits."""
+    equal in the unpacked rounds."""
     col = tl.arange(0, E_PAD)
     in_range = col < E
     if PARTS == 1:
@@ -343,55 +264,56 @@ def _topk_token(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out
             scores += tl.load(scores_ptr + p * part_stride + t * stride_s + col, mask=in_range, other=0.0)
     if APPLY_SCORES:
         scores = _sqrt_softplus(scores)
-    if SCALAR_TAIL and PACKED and not HASH:  # NOTE: if / else, not an early return
-        key = _packed_keys(_biased(scores, bias_ptr, col, in_range, HAS_BIAS), col, E_PAD)
-        _topk_scalar_tail(key, scores, col, out_w_ptr, out_ids_ptr, t, scale, TOP_K, K_PAD, E_PAD)
+    kk = tl.arange(0, K_PAD)
+    sel_ids = tl.full([K_PAD], 0, tl.int32)
+    sel_w = tl.zeros([K_PAD], tl.float32)
+    if HASH:
+        tok = tl.load(input_ids_ptr + t).to(tl.int64)
+        for j in tl.static_range(TOP_K):
+            e = tl.load(tid2eid_ptr + tok * stride_tab + j).to(tl.int32)
+            s = tl.sum(tl.where(col == e, scores, 0.0), axis=0)
+            sel_ids = tl.where(kk == j, e, sel_ids)
+            sel_w = tl.where(kk == j, s, sel_w)
     else:
-        kk = tl.arange(0, K_PAD)
-        sel_ids = tl.full([K_PAD], 0, tl.int32)
-        sel_w = tl.zeros([K_PAD], tl.float32)
-        if HASH:
-            tok = tl.load(input_ids_ptr + t).to(tl.int64)
+        biased = scores
+        if HAS_BIAS:
+            biased = scores + tl.load(bias_ptr + col, mask=in_range, other=0.0)
+        biased = tl.where(in_range, biased, float("-inf"))
+        if PACKED:
+            bits = (biased + 0.0).to(tl.int32, bitcast=True)
+            ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order = float order
+            key = (ordered.to(tl.int64) << 32) | (E_PAD - 1 - col).to(tl.int64)
             for j in tl.static_range(TOP_K):
-                e = tl.load(tid2eid_ptr + tok * stride_tab + j).to(tl.int32)
-                s = tl.sum(tl.where(col == e, scores, 0.0), axis=0)
+                kmax = tl.max(key, axis=0)
+                e = (E_PAD - 1 - (kmax & 0xFFFFFFFF)).to(tl.int32)
+                sel_ids = tl.where(kk == j, e, sel_ids)
+                key = tl.where(col == e, -9223372036854775807 - 1, key)
+            valid_k = kk < TOP_K
+            sel_w = tl.sum(tl.where((col[None, :] == sel_ids[:, None]) & valid_k[:, None], scores[None, :], 0.0),
+                           axis=1)  # the unbiased scores
+        else:
+            for j in tl.static_range(TOP_K):
+                m = tl.max(biased, axis=0)
+                e = tl.min(tl.where(biased == m, col, E_PAD), axis=0)
+                hit = col == e
+                s = tl.sum(tl.where(hit, scores, 0.0), axis=0)  # the unbiased score
                 sel_ids = tl.where(kk == j, e, sel_ids)
                 sel_w = tl.where(kk == j, s, sel_w)
-        else:
-            biased = _biased(scores, bias_ptr, col, in_range, HAS_BIAS)
-            if PACKED:
-                key = _packed_keys(biased, col, E_PAD)
-                for j in tl.static_range(TOP_K):
-                    kmax = tl.max(key, axis=0)
-                    e = (E_PAD - 1 - (kmax & 0xFFFFFFFF)).to(tl.int32)
-                    sel_ids = tl.where(kk == j, e, sel_ids)
-                    key = tl.where(col == e, -9223372036854775807 - 1, key)
-                valid_k = kk < TOP_K
-                sel_w = tl.sum(tl.where((col[None, :] == sel_ids[:, None]) & valid_k[:, None], scores[None, :], 0.0),
-                               axis=1)  # the unbiased scores
-            else:
-                for j in tl.static_range(TOP_K):
-                    m = tl.max(biased, axis=0)
-                    e = tl.min(tl.where(biased == m, col, E_PAD), axis=0)
-                    hit = col == e
-                    s = tl.sum(tl.where(hit, scores, 0.0), axis=0)  # the unbiased score
-                    sel_ids = tl.where(kk == j, e, sel_ids)
-                    sel_w = tl.where(kk == j, s, sel_w)
-                    biased = tl.where(hit, float("-inf"), biased)
-        # rank of slot j among the k ids: ties (hash duplicates) broken by slot order
-        valid = kk < TOP_K
-        a = sel_ids[:, None]
-        b = sel_ids[None, :]
-        before = ((b < a) | ((b == a) & (kk[None, :] < kk[:, None]))) & valid[None, :]
-        rank = tl.sum(before.to(tl.int32), axis=1)
-        # renormalisation sum left to right in ascending-id order (the order DESIGN.md pins)
-        wsum = tl.sum(tl.where((rank == 0) & valid, sel_w, 0.0), axis=0)
-        for r in tl.static_range(1, TOP_K):
-            wsum += tl.sum(tl.where((rank == r) & valid, sel_w, 0.0), axis=0)
-        # div_rn: IEEE division, torch's `/` (Triton's default fp32 `/` is div.full.f32, up to 2 ulp off)
-        w = tl.math.div_rn(sel_w, wsum) * scale
-        tl.store(out_ids_ptr + t * TOP_K + rank, sel_ids, mask=valid)
-        tl.store(out_w_ptr + t * TOP_K + rank, w, mask=valid)
+                biased = tl.where(hit, float("-inf"), biased)
+    # rank of slot j among the k ids: ties (hash duplicates) broken by slot order
+    valid = kk < TOP_K
+    a = sel_ids[:, None]
+    b = sel_ids[None, :]
+    before = ((b < a) | ((b == a) & (kk[None, :] < kk[:, None]))) & valid[None, :]
+    rank = tl.sum(before.to(tl.int32), axis=1)
+    # renormalisation sum left to right in ascending-id order (the order DESIGN.md pins)
+    wsum = tl.sum(tl.where((rank == 0) & valid, sel_w, 0.0), axis=0)
+    for r in tl.static_range(1, TOP_K):
+        wsum += tl.sum(tl.where((rank == r) & valid, sel_w, 0.0), axis=0)
+    # div_rn: IEEE division, torch's `/` (Triton's default fp32 `/` is div.full.f32, up to 2 ulp off)
+    w = tl.math.div_rn(sel_w, wsum) * scale
+    tl.store(out_ids_ptr + t * TOP_K + rank, sel_ids, mask=valid)
+    tl.store(out_w_ptr + t * TOP_K + rank, w, mask=valid)
 
 
 @triton.jit

@@ -137,10 +137,6 @@ QUANT_IN_LOGITS = True
 TOPK_WARPS = 0
 TOPK_PACKED = True
 TOPK_PACKED_MAX_T = 256
-# The packed selection with its picks as scalars (`_router._topk_scalar_tail`: the rounds' maxima carry the
-# unbiased scores; rank, renormalisation and divide in scalar code, no CTA barrier after the rounds; the
-# same bits). A/B switch (False: the vector tail).
-TOPK_SCALAR_TAIL = True
 _LOGITS_IMPLS = ("auto", "gemv", "mma", "mm")
 _SCORES_IMPLS = ("auto", "kernel", "torch")
 _MM_OUT_DTYPE_OK: dict[str, bool] = {}
@@ -435,7 +431,6 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         HAS_BIAS=bias is not None, HASH=hashed, APPLY_SCORES=apply_scores,
         num_warps=TOPK_WARPS if TOPK_WARPS else (4 if e > 256 else 2),
         PACKED=TOPK_PACKED and t <= TOPK_PACKED_MAX_T, PARTS=parts, part_stride=t * e if parts > 1 else 0,
-        SCALAR_TAIL=TOPK_SCALAR_TAIL,
         # NOTE: libdevice without flush-to-zero, as nvcc builds torch: with Triton's default
         # (ftz) the scores of 2,180,453 fp32 logits in [-103.97, -87.34] (torch's softplus
         # is subnormal there) came out 0 instead of torch's value (exhaustive H200 check)

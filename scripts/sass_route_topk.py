@@ -32,11 +32,11 @@ _TYPES = dict(scores_ptr="*fp32", bias_ptr="*fp32", tid2eid_ptr="*i32", input_id
               out_ids_ptr="*i32", E="i32", stride_s="i32", stride_tab="i32", scale="fp32", part_stride="i32")
 
 
-def topk_sass(parts: int, scalar_tail: bool, num_warps: int = 4) -> list[tuple[int, str]]:
+def topk_sass(parts: int, num_warps: int = 4) -> list[tuple[int, str]]:
     """The kernel's SASS (the constexprs `router.route_topk` passes at E = 384, k = 6, on the H200)."""
     fn = _route_topk_kernel
     consts = dict(TOP_K=6, K_PAD=8, E_PAD=512, HAS_BIAS=True, HASH=False, APPLY_SCORES=True, PDL=1,
-                  PACKED=True, PARTS=parts, SCALAR_TAIL=scalar_tail)
+                  PACKED=True, PARTS=parts)
     names = fn.arg_names
     sig = {n: ("constexpr" if n in consts else _TYPES[n]) for n in names}
     c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}),
@@ -62,9 +62,7 @@ def main() -> int:
     print(f"triton {triton.__version__}, ptxas {'.'.join(map(str, sw.ptxas_version()))}, sm_90a, 4 warps, "
           "E = 384, k = 6, packed selection")
     for parts, what in ((1, "whole logits (T <= 4)"), (14, "14 logit partials (Pro, T = 5-16)")):
-        for scalar_tail in (False, True):
-            tail = "scalar tail (router.TOPK_SCALAR_TAIL)" if scalar_tail else "vector tail"
-            print(f"top-k, {what}, {tail}: {counts(topk_sass(parts, scalar_tail))}")
+        print(f"top-k, {what}: {counts(topk_sass(parts))}")
     return 0
 
 

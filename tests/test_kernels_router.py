@@ -314,8 +314,7 @@ def test_impl_guards():
 def test_packed_selection_same_bits(monkeypatch, e, k, bias_kind):
     """router.TOPK_PACKED (one int64 (score, index) max per round, session 25) picks what max +
     lowest-index min picks - exact ties included, negative biased scores, +0.0 / -0.0 - so
-    the same ids and weights, bitwise; also at other warp counts (TOPK_WARPS) and with its picks
-    carried as scalars (TOPK_SCALAR_TAIL, session 47)."""
+    the same ids and weights, bitwise; also at other warp counts (TOPK_WARPS)."""
     import dsv4_moe.kernels.router as router
 
     g = torch.Generator().manual_seed(e + k)
@@ -337,13 +336,11 @@ def test_packed_selection_same_bits(monkeypatch, e, k, bias_kind):
     x, w, bias = x.to(DEV), w.to(DEV), bias.to(DEV)
     out = {}
     assert router.TOPK_PACKED and router.TOPK_PACKED_MAX_T >= t  # the default (session 25)
-    for packed, scalar, warps in ((False, False, 0), (True, False, 0), (True, True, 0), (True, False, 1),
-                                  (True, True, 1), (False, False, 1)):
+    for packed, warps in ((False, 0), (True, 0), (True, 1), (False, 1)):
         monkeypatch.setattr(router, "TOPK_PACKED", packed)
-        monkeypatch.setattr(router, "TOPK_SCALAR_TAIL", scalar)
         monkeypatch.setattr(router, "TOPK_WARPS", warps)
-        out[packed, scalar, warps] = route_topk(x, w, bias, None, None, k, SCALE, logits_impl="mm")
-    base_w, base_ids = out[False, False, 0]
+        out[packed, warps] = route_topk(x, w, bias, None, None, k, SCALE, logits_impl="mm")
+    base_w, base_ids = out[False, 0]
     # (many exact ties here: the reference's torch.topk need not take the lowest index among
     # them, so the unpacked kernel is the oracle; test_exact_scores_bitwise ties it to the reference)
     assert len(set(base_ids.flatten().tolist())) > k if bias_kind != "zero-sum" else True
