@@ -137,6 +137,16 @@ QUANT_IN_LOGITS = True
 TOPK_WARPS = 0
 TOPK_PACKED = True
 TOPK_PACKED_MAX_T = 256
+# NOTE (session 47, 55b1d31, measured and reverted): the packed picks carried as scalars - each round a
+# tuple `tl.reduce` of (key, unbiased score), then the rank among the picks and the ascending-id
+# renormalisation sum in scalar code, so no reduction, layout conversion or CTA barrier after the rounds.
+# The same bits (tests/test_kernels_router.py natively, 56 passed), 17 CTA barriers against 24, but 1504
+# SASS instructions per thread against 1392 at T = 5-16 (the score riding in every round's shuffles and
+# shared-memory pass; scripts/sass_route_topk.py), and the layer slower everywhere (H200, graph-chain,
+# alternating, us, scalar / vector; docs/bench/2026-12-02/session47/all_call5_55b1d31.log): Pro-TP8 T=1
+# 31.7, 31.7 / 31.3, 31.3; T=9 97.6, 97.5 / 96.1, 96.3; T=16 137.4, 138.4 / 136.3, 135.6; Flash T=1 55.6 /
+# 55.4, T=8 197.2 / 195.6. At one CTA per SM this kernel's time follows its instruction count (ncu, session
+# 47: ~4.8 cycles per issued instruction), not its barriers.
 _LOGITS_IMPLS = ("auto", "gemv", "mma", "mm")
 _SCORES_IMPLS = ("auto", "kernel", "torch")
 _MM_OUT_DTYPE_OK: dict[str, bool] = {}
