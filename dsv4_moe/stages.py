@@ -172,18 +172,57 @@ def front_quant_in_logits_supported(ctx: DispatchContext):
     if path == "mm":
         return False, (f"T={ctx.num_tokens}: the logits are cuBLAS here (Triton GEMV to T={router.GEMV_MAX_T}, "
                        f"tensor-core kernel to T={router.MMA_MAX_T} for a bf16 gate)")
-    return True, f"act_quant inside the router's {path} logits launch (one launch fewer, the same bits)"
+    aligned, why_align = topk_aligns(ctx)
+    return True, (f"act_quant inside the router's {path} logits launch (one launch fewer, the same bits)"
+                  + (f"; {why_align}" if aligned else ""))
+
+
+TOPK_ALIGN_MIN_INTERMEDIATE = 2048   # per-rank intermediate from which topk_aligns takes it (its NOTE)
+
+
+def topk_aligns(ctx: DispatchContext) -> tuple[bool, str]:
+    """Whether the decode front's top-k program also writes the routed alignment (route_topk's
+    `align`, kernels/router.py TOPK_ALIGN_T1): one token, no hash table, the Triton routed stage,
+    a per-rank intermediate of at least TOPK_ALIGN_MIN_INTERMEDIATE (where it measured faster)."""
+    from . import dispatch  # noqa: PLC0415
+
+    if not _kernel("router").TOPK_ALIGN_T1:
+        return False, "switched off (kernels/router.py TOPK_ALIGN_T1)"
+    if ctx.num_tokens != 1:
+        return False, f"T={ctx.num_tokens}: the top-k aligns one token's routes only"
+    if ctx.is_hash:
+        return False, "hash-routed layer (a table row may repeat an id)"
+    if dispatch.plan_stage("routed_experts", ctx).chosen.name != "triton":
+        return False, "the routed stage is not the Triton one whose alignment this is"
+    # NOTE (session 48, H200, the layer bench with --graph-chain, --set ...router.TOPK_ALIGN_T1=1 / =0,
+    # alternating, us; docs/bench/2026-12-02/session48/): Flash (I = 2048) T=1 53.7, 53.6, 54.0 / 54.7,
+    # 54.8, 55.0 - ~1.1 faster; Pro-TP8 (I = 384) T=1 31.8, 31.5, 31.7 / 31.2, 31.1, 31.1 - ~0.5 slower;
+    # Pro-TP1 (I = 3072) T=1 111.1, 111.5 / 114.0, 114.3 - ~2.9 faster. At Pro-TP8 the alignment launch
+    # sits beside the shared expert's GEMV (forked after the logits), which holds the SMs the routed
+    # gate_up waits for (session 30's timeline), so removing it saves nothing and the top-k's extra ~216
+    # instructions per thread cost. The rule takes the measured side of each: on from I = 2048
+    # (Pro-TP2 / TP4 and Flash-TP2, I = 768-1536, are not measured and stay off).
+    if ctx.intermediate < TOPK_ALIGN_MIN_INTERMEDIATE:
+        return False, (f"I = {ctx.intermediate} per rank < {TOPK_ALIGN_MIN_INTERMEDIATE}: measured slower on the "
+                       f"H200 at Pro-TP8 (I = 384), the alignment launch already off the critical path")
+    return True, "the top-k program also writes the routed alignment (T = 1: no moe_align launch)"
 
 
 def front_quant_in_logits(ctx, x, router, input_ids, top_k, scale, routed, pairs, after_logits=None):
-    """-> (topk_w, topk_ids, q, sa, q_pairs | None, None): the router's logits launch also
-    quantises x (align None: the routed stage aligns itself). `after_logits(q, sa[, pairs])`
-    runs between the logits and the top-k launches (route_topk's)."""
+    """-> (topk_w, topk_ids, q, sa, q_pairs | None, align | None): the router's logits launch also
+    quantises x; at T = 1 (`topk_aligns`) the top-k program also writes the routed alignment at the
+    routed gate_up config's BLOCK_M, elsewhere align is None (the routed stage aligns itself).
+    `after_logits(q, sa[, pairs])` runs between the logits and the top-k launches (route_topk's)."""
     rt = _kernel("router")
+    align = None
+    if topk_aligns(ctx)[0]:
+        block_m = _kernel("routed_experts").routed_configs(top_k, routed)[0].block_m
+        align = (routed.num_local, routed.first_expert, block_m)
     w, ids, q, sa, *p = rt.route_topk(x, router.weight, router.bias, router.tid2eid, input_ids, top_k, scale,
                                       logits_impl=rt.logits_path(x.shape[0], router.weight.dtype), act_quant=pairs,
-                                      after_logits=after_logits)
-    return w, ids, q, sa, (p[0] if p else None), None
+                                      after_logits=after_logits, align=align)
+    aligned = p.pop() if align is not None else None
+    return w, ids, q, sa, (p[0] if p else None), aligned
 
 
 def front_separate_preferred(ctx: DispatchContext):

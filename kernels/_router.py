@@ -228,11 +228,83 @@ def _route_topk_kernel(
     PACKED: tl.constexpr = False,  # one packed (score, index) max per round (_topk_token)
     PARTS: tl.constexpr = 1,  # > 1: scores_ptr holds PARTS logit partials [PARTS, T, E] (_topk_token)
     part_stride=0,            # elements between two partials (T * E)
+    # ALIGN (one token, no hash table): the same program also writes moe_align's alignment of its
+    # k routes (_align_one_token); the pointers and sizes below are moe_align's (MoeAlignment)
+    route_rows_ptr=None, expert_counts_ptr=None, expert_offsets_ptr=None, num_blocks_ptr=None,
+    sorted_ids_ptr=None, block_expert_ptr=None, row_expert_ptr=None, row_weight_ptr=None,
+    first_expert=0, num_local=1, max_blocks=1,
+    ALIGN: tl.constexpr = False, BLOCK_M: tl.constexpr = 16, ROWS_PAD: tl.constexpr = 16,
+    MB_PAD: tl.constexpr = 2, EL_PAD: tl.constexpr = 2,
 ):
     pdl_enter(PDL)
-    _topk_token(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out_ids_ptr,
-                tl.program_id(0).to(tl.int64), E, stride_s, stride_tab, scale,
-                TOP_K, K_PAD, E_PAD, HAS_BIAS, HASH, APPLY_SCORES, PACKED, PARTS, part_stride)
+    sel_ids, w, rank, below, n_low, n_local = _topk_token(
+        scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out_ids_ptr,
+        tl.program_id(0).to(tl.int64), E, stride_s, stride_tab, scale,
+        TOP_K, K_PAD, E_PAD, HAS_BIAS, HASH, APPLY_SCORES, PACKED, PARTS, part_stride,
+        ALIGN, EL_PAD, first_expert, num_local)
+    if ALIGN:
+        _align_one_token(sel_ids, w, rank, below, n_low, n_local,
+                         route_rows_ptr, expert_counts_ptr, expert_offsets_ptr, num_blocks_ptr,
+                         sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_weight_ptr,
+                         first_expert, num_local, max_blocks, TOP_K, K_PAD, BLOCK_M, ROWS_PAD, MB_PAD, EL_PAD)
+
+
+@triton.jit
+def _align_count_pick(e, below, n_low, n_local, first_expert, num_local, EL_PAD: tl.constexpr):
+    """One selection round's pick e (a scalar) into the alignment's counts: per local expert ex
+    the local picks below it (`below`, the expert offsets / BLOCK_M), and the picks below the
+    local range (`n_low`) and in it (`n_local`)."""
+    ex = tl.arange(0, EL_PAD)
+    le = e - first_expert
+    is_local = (le >= 0) & (le < num_local)
+    below += ((le < ex) & is_local).to(tl.int32)
+    return below, n_low + (le < 0).to(tl.int32), n_local + is_local.to(tl.int32)
+
+
+@triton.jit
+def _align_one_token(sel_ids, w, rank, below, n_low, n_local,
+                     route_rows_ptr, expert_counts_ptr, expert_offsets_ptr, num_blocks_ptr,
+                     sorted_ids_ptr, block_expert_ptr, row_expert_ptr, row_weight_ptr,
+                     first_expert, num_local, max_blocks,
+                     TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_M: tl.constexpr, ROWS_PAD: tl.constexpr,
+                     MB_PAD: tl.constexpr, EL_PAD: tl.constexpr):
+    """moe_align of one token's k routes, from the top-k's registers: the k ids are distinct (no
+    hash table), so each local expert holds one route and one BLOCK_M-row block, and the blocks run
+    in ascending id. The rounds counted, per local expert, the local picks below it, and the picks
+    below the local range (n_low) and in it (n_local = the valid blocks). Slot j's route id is its
+    rank (the outputs are stored ascending) and, when local, its block is rank - n_low. Every
+    output entry gets moe_align's value (tests/test_kernels_router.py compares them): the k slots
+    are stored where they land and the fills everywhere else - disjoint address sets, so no
+    barrier orders them - except the histogram, zeroed and then (after a CTA barrier, which orders
+    the program's global writes) set to 1 at the local picks.
+    NOTE (session 48, scripts/sass_route_topk.py, sm_90a, 4 warps, E 384, k 6): the top-k alone is
+    1208 SASS instructions per thread with 24 CTA barriers; with this alignment 1424 and 25. The
+    first form ([E, k] compare-sums after the rounds) took 2200 and 46; the histogram counted in
+    the rounds as the offsets are, 1520 and 24."""
+    kk = tl.arange(0, K_PAD)
+    valid = kk < TOP_K
+    le = sel_ids - first_expert
+    local = valid & (le >= 0) & (le < num_local)
+    pos = rank - n_low
+    tl.store(num_blocks_ptr, n_local)
+    tl.store(route_rows_ptr + rank, tl.where(local, pos * BLOCK_M, -1), mask=valid)
+    tl.store(block_expert_ptr + pos, le, mask=local)
+    mb = tl.arange(0, MB_PAD)
+    tl.store(block_expert_ptr + mb, tl.full([MB_PAD], -1, tl.int32), mask=(mb >= n_local) & (mb < max_blocks))
+    tl.store(sorted_ids_ptr + pos * BLOCK_M, rank, mask=local)
+    tl.store(row_expert_ptr + pos * BLOCK_M, le, mask=local)
+    row = tl.arange(0, ROWS_PAD)
+    fill = (row < max_blocks * BLOCK_M) & (((row % BLOCK_M) != 0) | (row // BLOCK_M >= n_local))
+    tl.store(sorted_ids_ptr + row, tl.full([ROWS_PAD], TOP_K, tl.int32), mask=fill)
+    tl.store(row_expert_ptr + row, tl.full([ROWS_PAD], -1, tl.int32), mask=fill)
+    if row_weight_ptr is not None:
+        tl.store(row_weight_ptr + pos * BLOCK_M, w, mask=local)
+        tl.store(row_weight_ptr + row, tl.zeros([ROWS_PAD], tl.float32), mask=fill)
+    ex = tl.arange(0, EL_PAD)
+    tl.store(expert_offsets_ptr + ex, below * BLOCK_M, mask=ex <= num_local)
+    tl.store(expert_counts_ptr + ex, tl.zeros([EL_PAD], tl.int32), mask=ex < num_local)
+    tl.debug_barrier()   # orders the zeros before the ones (CTA barriers order a program's global writes)
+    tl.store(expert_counts_ptr + le, tl.full([K_PAD], 1, tl.int32), mask=local)
 
 
 @triton.jit
@@ -240,7 +312,8 @@ def _topk_token(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out
                 t, E, stride_s, stride_tab, scale,
                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
                 HAS_BIAS: tl.constexpr, HASH: tl.constexpr, APPLY_SCORES: tl.constexpr,
-                PACKED: tl.constexpr = False, PARTS: tl.constexpr = 1, part_stride=0):
+                PACKED: tl.constexpr = False, PARTS: tl.constexpr = 1, part_stride=0,
+                ALIGN: tl.constexpr = False, EL_PAD: tl.constexpr = 2, first_expert=0, num_local=1):
     """Route token t (the top-k program's body; `_topk_tokens` is its all-tokens-at-once
     twin). PARTS > 1: the logits are the split-K partials of `_router_logits_mma_kernel`
     (ARRIVE=False), summed here in split order from +0.0 - the sum that kernel's last
@@ -253,7 +326,11 @@ def _topk_token(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out
     scores of the k picks are gathered once after the rounds (the same one-element
     select-sums), so the same bits with one block-wide reduction per round instead of
     three. The biased score gets + 0.0 first so that -0.0 and +0.0 tie, as they compare
-    equal in the unpacked rounds."""
+    equal in the unpacked rounds.
+
+    Returns (ids, weights, rank) of the k slots in selection order, rank being each slot's place in
+    the stored (ascending-id) order, and (ALIGN, no hash table) each round's pick counted by
+    `_align_count_pick`, from which `_align_one_token` aligns."""
     col = tl.arange(0, E_PAD)
     in_range = col < E
     if PARTS == 1:
@@ -267,6 +344,9 @@ def _topk_token(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out
     kk = tl.arange(0, K_PAD)
     sel_ids = tl.full([K_PAD], 0, tl.int32)
     sel_w = tl.zeros([K_PAD], tl.float32)
+    below = tl.zeros([EL_PAD], tl.int32)
+    n_low = 0
+    n_local = 0
     if HASH:
         tok = tl.load(input_ids_ptr + t).to(tl.int64)
         for j in tl.static_range(TOP_K):
@@ -288,6 +368,9 @@ def _topk_token(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out
                 e = (E_PAD - 1 - (kmax & 0xFFFFFFFF)).to(tl.int32)
                 sel_ids = tl.where(kk == j, e, sel_ids)
                 key = tl.where(col == e, -9223372036854775807 - 1, key)
+                if ALIGN:
+                    below, n_low, n_local = _align_count_pick(e, below, n_low, n_local, first_expert, num_local,
+                                                              EL_PAD)
             valid_k = kk < TOP_K
             sel_w = tl.sum(tl.where((col[None, :] == sel_ids[:, None]) & valid_k[:, None], scores[None, :], 0.0),
                            axis=1)  # the unbiased scores
@@ -300,6 +383,9 @@ def _topk_token(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out
                 sel_ids = tl.where(kk == j, e, sel_ids)
                 sel_w = tl.where(kk == j, s, sel_w)
                 biased = tl.where(hit, float("-inf"), biased)
+                if ALIGN:
+                    below, n_low, n_local = _align_count_pick(e, below, n_low, n_local, first_expert, num_local,
+                                                              EL_PAD)
     # rank of slot j among the k ids: ties (hash duplicates) broken by slot order
     valid = kk < TOP_K
     a = sel_ids[:, None]
@@ -314,6 +400,7 @@ def _topk_token(scores_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out
     w = tl.math.div_rn(sel_w, wsum) * scale
     tl.store(out_ids_ptr + t * TOP_K + rank, sel_ids, mask=valid)
     tl.store(out_w_ptr + t * TOP_K + rank, w, mask=valid)
+    return sel_ids, w, rank, below, n_low, n_local
 
 
 @triton.jit

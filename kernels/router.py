@@ -28,6 +28,10 @@ Design (measured with `scripts/gpu_check_router.py`; `gpu_check_routed.py` times
   near-tie in the selection;
 * one Triton kernel does selection, gather, renormalisation, scaling and the per-token
   sort.
+* at T = 1 on a layer without a hash table the top-k program can also write moe_align's
+  alignment of the token's k routes (`align`; TOPK_ALIGN_T1, the layer's rule in
+  dsv4_moe.stages.topk_aligns): its ids are distinct, so every local route is its own block, in
+  ascending id - the routed stage's alignment launch goes.
 At T = 1 that is 2 launches where cuBLAS + softplus + sqrt + top-k took 5 (about 12 us of
 kernels on the H200, session-4 profile). Nothing reads device values on the host, so the
 whole router can be captured in a CUDA graph.
@@ -147,6 +151,11 @@ TOPK_PACKED_MAX_T = 256
 # 31.7, 31.7 / 31.3, 31.3; T=9 97.6, 97.5 / 96.1, 96.3; T=16 137.4, 138.4 / 136.3, 135.6; Flash T=1 55.6 /
 # 55.4, T=8 197.2 / 195.6. At one CTA per SM this kernel's time follows its instruction count (ncu, session
 # 47: ~4.8 cycles per issued instruction), not its barriers.
+# At T = 1 (no hash table) the layer's decode front can have the top-k program write the routed alignment
+# (route_topk's `align`, _router._align_one_token), so the alignment launch between the top-k and the
+# routed gate_up goes; dsv4_moe.stages.topk_aligns decides where (measured: ~1.1 us faster at Flash T = 1,
+# ~2.9 at Pro-TP1, ~0.5 slower at Pro-TP8; its NOTE). A/B switch (False: never; moe_align's launch).
+TOPK_ALIGN_T1 = True
 _LOGITS_IMPLS = ("auto", "gemv", "mma", "mm")
 _SCORES_IMPLS = ("auto", "kernel", "torch")
 _MM_OUT_DTYPE_OK: dict[str, bool] = {}
@@ -369,7 +378,7 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                tid2eid: torch.Tensor | None, input_ids: torch.Tensor | None,
                top_k: int, routed_scaling_factor: float, *, logits_impl: str = "auto",
                scores_impl: str = "auto", act_quant: "bool | str | None" = None,
-               after_logits=None) -> tuple[torch.Tensor, ...]:
+               after_logits=None, align: "tuple[int, int, int] | None" = None) -> tuple:
     """Route T tokens to top_k of E experts; see the module docstring for layouts.
 
     logits_impl: "auto" | "gemv" (Triton GEMV) | "mma" (Triton tensor-core kernel, bf16 weight)
@@ -381,12 +390,27 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     Triton logits (`logits_path` "gemv" or "mma"), else ValueError.
     after_logits: None, or a callable run between the logits launch and the top-k launch with
     act_quant's outputs (q, sa[, pairs]) - e.g. to fork work that needs only the quantised x
-    onto another stream before the top-k is enqueued. Needs act_quant."""
+    onto another stream before the top-k is enqueued. Needs act_quant.
+    align: None, or (num_local, first_expert, block_m): the top-k program also writes
+    `moe_align(topk_ids, num_local, first_expert, block_m, topk_weights)` - the same MoeAlignment,
+    entry for entry - and the call returns it last. One token (T = 1) and no hash table only
+    (ValueError otherwise): the k ids are then distinct, each local one its own block."""
     from ._triton_utils import interpreting  # noqa: PLC0415
 
     _check(logits_impl in _LOGITS_IMPLS, f"logits_impl={logits_impl!r}: expected one of {_LOGITS_IMPLS}")
     _check(scores_impl in _SCORES_IMPLS, f"scores_impl={scores_impl!r}: expected one of {_SCORES_IMPLS}")
     t, h, e, hashed = check_route_args(x, weight, bias, tid2eid, input_ids, top_k, routed_scaling_factor)
+    aligned = None
+    if align is not None:
+        from .moe_align import check_align_args, new_alignment  # noqa: PLC0415
+
+        _check(isinstance(align, tuple) and len(align) == 3,
+               f"align={align!r}: expected None or a tuple (num_local, first_expert, block_m)")
+        check_align_args(*align)
+        _check(t == 1, f"align={align!r}: the top-k aligns one token's routes only, x has T={t} tokens "
+                       f"(moe_align aligns any T)")
+        _check(not hashed, f"align={align!r}: not for a hash-routed layer (a table row may repeat an id)")
+        aligned = new_alignment(top_k, top_k, align[0], align[2], x.device)
 
     on_gpu = x.is_cuda and not interpreting()
     _check(scores_impl != "kernel" or on_gpu,
@@ -430,6 +454,15 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     from ._router import _route_topk_kernel
     from ._triton_utils import pdl_options
     dummy = scores
+    al = {}
+    if aligned is not None:
+        a = aligned
+        al = dict(route_rows_ptr=a.route_rows, expert_counts_ptr=a.expert_counts, expert_offsets_ptr=a.expert_offsets,
+                  num_blocks_ptr=a.num_valid_blocks, sorted_ids_ptr=a.sorted_route_ids, block_expert_ptr=a.block_expert,
+                  row_expert_ptr=a.row_expert, row_weight_ptr=a.row_weight, first_expert=align[1],
+                  num_local=align[0], max_blocks=a.max_blocks, ALIGN=True, BLOCK_M=a.block_m,
+                  ROWS_PAD=triton.next_power_of_2(a.max_rows), MB_PAD=max(2, triton.next_power_of_2(a.max_blocks)),
+                  EL_PAD=triton.next_power_of_2(align[0] + 1))
     _route_topk_kernel[(t,)](
         scores, bias.contiguous() if bias is not None else dummy,   # the kernel indexes bias[col]
         tid2eid.contiguous() if hashed else dummy,
@@ -445,6 +478,7 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         # (ftz) the scores of 2,180,453 fp32 logits in [-103.97, -87.34] (torch's softplus
         # is subnormal there) came out 0 instead of torch's value (exhaustive H200 check)
         enable_reflect_ftz=False,
+        **al,
         **pdl_options(x.device),
     )
-    return (out_w, out_ids) + extra
+    return (out_w, out_ids) + extra + ((aligned,) if aligned is not None else ())

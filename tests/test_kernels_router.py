@@ -388,3 +388,66 @@ def test_logits_gemv_prewait_same_bits(monkeypatch, t, e, h):
     assert ((got.double() - exact).abs() <= 4 * h * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)).all()
     assert not router_mod.gemv_prewait(2, 7168, 8192)            # Pro-shaped T = 2: slower, off
     assert not router_mod.gemv_prewait(4, 4096, 1024)            # the streamed forms load in their loop
+
+
+_ALIGN_FIELDS = ("sorted_route_ids", "block_expert", "num_valid_blocks", "expert_offsets", "expert_counts",
+                 "route_rows", "row_expert", "row_weight")
+
+
+@pytest.mark.parametrize("e,k,block_m,first,num_local,force", [
+    (16, 4, 16, 0, 16, None),         # every route local (one rank / TP)
+    (384, 6, 16, 0, 384, None),       # Pro-shaped
+    (16, 4, 16, 4, 6, None),          # EP: some routes on other ranks
+    (16, 4, 32, 10, 6, "low"),        # EP, the picks forced to 0..3: no local route, no valid block
+    (16, 6, 64, 0, 3, "low"),         # fewer local experts than k: max_blocks = 4
+    (8, 3, 1, 0, 8, None),            # one-row blocks
+    (40, 6, 16, 2, 30, "spread")])    # picks forced across the local range's edges
+def test_topk_align_one_token_is_moe_align(e, k, block_m, first, num_local, force):
+    """route_topk(align=...) at T = 1: the top-k program's alignment is moe_align's, entry for entry
+    (sentinels, -1s and padding included), and the routing is the plain call's."""
+    from dsv4_moe.kernels.moe_align import moe_align
+
+    x, w, bias = _inputs(1, 256, e, seed=e + k + block_m + first)
+    if force == "low":       # the k lowest ids win by a wide margin
+        bias = torch.where(torch.arange(e, device=DEV) < k, 100.0, -100.0).to(DEV)
+    elif force == "spread":  # ids 0, 1, 2 (non-local), 2 (the first local), 31 (the last local), 32 (non-local)
+        b = torch.full((e,), -100.0)
+        b[[0, 1, 2, 31, 32, 20]] = 100.0
+        bias = b.to(DEV)
+    tw, ids, al = route_topk(x, w, bias, None, None, k, SCALE, logits_impl="gemv", align=(num_local, first, block_m))
+    pw, pids = route_topk(x, w, bias, None, None, k, SCALE, logits_impl="gemv")
+    assert_bitwise_equal(tw, pw, "weights")
+    assert_bitwise_equal(ids, pids, "ids")
+    want = moe_align(ids, num_local, first, block_m, tw)
+    for f in ("block_m", "top_k", "num_routes", "max_blocks"):
+        assert getattr(al, f) == getattr(want, f), f
+    for f in _ALIGN_FIELDS:
+        assert_bitwise_equal(getattr(al, f), getattr(want, f), f, e=e, k=k, block_m=block_m, first=first)
+    if force == "low" and first >= k:
+        assert int(al.num_valid_blocks.item()) == 0
+
+
+def test_topk_align_unpacked_rounds(monkeypatch):
+    """The same alignment from the unpacked selection rounds (router.TOPK_PACKED off), with EP."""
+    from dsv4_moe.kernels import router as router_mod
+    from dsv4_moe.kernels.moe_align import moe_align
+
+    monkeypatch.setattr(router_mod, "TOPK_PACKED", False)
+    x, w, bias = _inputs(1, 256, 40, seed=11)
+    tw, ids, al = route_topk(x, w, bias, None, None, 6, SCALE, logits_impl="gemv", align=(17, 9, 16))
+    want = moe_align(ids, 17, 9, 16, tw)
+    for f in _ALIGN_FIELDS:
+        assert_bitwise_equal(getattr(al, f), getattr(want, f), f)
+
+
+def test_topk_align_guards():
+    x, w, bias = _inputs(2, 256, 16, seed=3)
+    with pytest.raises(ValueError, match="aligns one token's routes only, x has T=2"):
+        route_topk(x, w, bias, None, None, 4, SCALE, logits_impl="gemv", align=(16, 0, 16))
+    with pytest.raises(ValueError, match=r"align=\(16, 0\): expected None or a tuple"):
+        route_topk(x[:1], w, bias, None, None, 4, SCALE, logits_impl="gemv", align=(16, 0))
+    with pytest.raises(ValueError, match="block_m=12: expected a power of two"):
+        route_topk(x[:1], w, bias, None, None, 4, SCALE, logits_impl="gemv", align=(16, 0, 12))
+    tab = torch.randint(0, 16, (32, 4)).to(DEV)
+    with pytest.raises(ValueError, match="not for a hash-routed layer"):
+        route_topk(x[:1], w, None, tab, torch.tensor([5]).to(DEV), 4, SCALE, logits_impl="gemv", align=(16, 0, 16))

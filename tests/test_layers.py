@@ -513,6 +513,39 @@ def test_front_quant_in_logits_dispatch(monkeypatch):
     dispatch.clear_plan_cache()
 
 
+def test_topk_aligns_dispatch(monkeypatch):
+    """The decode front's top-k also writes the routed alignment (stages.topk_aligns) at T = 1 only,
+    not on hash layers, not below a per-rank intermediate of 2048 (measured slower at Pro-TP8), not
+    when the routed stage leaves Triton, not when switched off - and the front's reason says so
+    where it does."""
+    import dsv4_moe.kernels._triton_utils as tu
+    import dsv4_moe.kernels.router as rt
+    from dsv4_moe import stages
+
+    monkeypatch.setattr(dispatch, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(tu, "interpreting", lambda: False)
+    dispatch.clear_plan_cache()
+
+    def ctx(t, **kw):
+        return DispatchContext(device=torch.device("cuda", 0), num_tokens=t, **{"intermediate": 2048, **kw})
+
+    ok, why = stages.topk_aligns(ctx(1))
+    assert ok and "no moe_align launch" in why
+    assert "routed alignment" in dispatch.plan_stage("front", ctx(1)).reason
+    assert "routed alignment" not in dispatch.plan_stage("front", ctx(2)).reason
+    assert stages.topk_aligns(ctx(2)) == (False, "T=2: the top-k aligns one token's routes only")
+    assert not stages.topk_aligns(ctx(1, is_hash=True))[0]
+    ok, why = stages.topk_aligns(ctx(1, intermediate=384))           # Pro-TP8-shaped: measured slower
+    assert not ok and "I = 384 per rank < 2048" in why
+    assert "routed alignment" not in dispatch.plan_stage("front", ctx(1, intermediate=384)).reason
+    with force_paths(routed_experts="reference"):
+        ok, why = stages.topk_aligns(ctx(1))
+        assert not ok and "not the Triton one" in why
+    monkeypatch.setattr(rt, "TOPK_ALIGN_T1", False)
+    assert stages.topk_aligns(ctx(1)) == (False, "switched off (kernels/router.py TOPK_ALIGN_T1)")
+    dispatch.clear_plan_cache()
+
+
 def test_optional_backend_import_is_tried_once():
     """A failed optional import (deep_gemm) is not retried on every forward: the dispatch
     predicate asks once per GEMM shape per forward, and each retry searched sys.path again
