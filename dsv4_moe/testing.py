@@ -163,8 +163,19 @@ TOLERANCES: dict[str, Tolerance] = {
     # localized error - one 128x128 weight block's scale 2x at N = 4096 moves ~3 % of outputs by
     # ~2e-3 of their magnitude - so the share is also bounded per row and per 128-column block,
     # where the order differences spread evenly and such an error moves nearly every output.
-    "fp8_gemm_wgmma": Tolerance(0.06, 0, math.inf, max_rel_magnitude=2.0 ** -6, max_local_mismatch_frac=0.25),
-    "fp4_gemm": Tolerance(0.02, 1, 1e-3),
+    # Session 48 (stage checks, Flash T = 64 / 256 / 1024): the shared down at 5.55 / 5.66 / 5.61 %
+    # (6.27-6.84 % in the worst row or block), the Pro-TP8 down at 5.15-5.16 % (T = 64-4096) - too
+    # close to the 6 % this bound had since session 41 for a seed to be sure of it; 8 % is ~1.4x the
+    # largest share measured, far under the > 90 % a wrong scale moves.
+    "fp8_gemm_wgmma": Tolerance(0.08, 0, math.inf, max_rel_magnitude=2.0 ** -6, max_local_mismatch_frac=0.25),
+    # The MXFP4 GEMMs fold each 128-block's four 32-wide partials into one MMA chain (SPEC §4.3's
+    # documented deviation) and sum inside a block in the tensor core's order. On the H200 (stage
+    # checks against ref.fp4_gemm of the same inputs, both presets, T = 1-4096, sessions 46-48;
+    # gpu_check_layer_stages.py): at most 0.073 % of outputs differ (the Flash down, K = 2048; the
+    # gate_ups <= 0.011 %), never by more than 1 ulp, rel L2 <= 8.8e-5. The bounds are ~3x that. A
+    # wrong scale moves nearly every output it touches by >= 128 ulps. Until session 48 this read
+    # (2 %, 1, 1e-3) and tests/test_kernels_mxfp4_gemm.py kept its own 0.1 % beside it.
+    "fp4_gemm": Tolerance(2e-3, 1, 3e-4),
     # a layer output passes through two GEMMs, a requantisation and the combine: a 1-ulp
     # flip in the first GEMM can move an FP8 code of the activation, which moves the
     # output by a few ulps; still far from a factor-of-2 scale error. Measured on the H200

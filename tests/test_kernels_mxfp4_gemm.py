@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from dsv4_moe import reference as ref  # noqa: E402
-from dsv4_moe.testing import assert_bf16_close  # noqa: E402
+from dsv4_moe.testing import TOLERANCES, assert_bf16_close  # noqa: E402
 from dsv4_moe.kernels.moe_align import moe_align  # noqa: E402
 from dsv4_moe.kernels.mxfp4_grouped_gemm import GemmConfig, mxfp4_grouped_gemm, select_config  # noqa: E402
 from dsv4_moe.kernels.routed_experts import routed_experts_forward  # noqa: E402
@@ -105,7 +105,8 @@ swiglu_quant_unfused = _native(_squ)
 finalize_shared_add = _native(_fsa)
 finalize_split_shared_add = _native(_fssa)
 
-MAX_FRAC, MAX_ULP = 1e-3, 1
+# the recipe's share and ulps (the largest share measured on the H200 is 0.073 %: TOLERANCES' note)
+MAX_FRAC, MAX_ULP = TOLERANCES["fp4_gemm"].max_mismatch_frac, TOLERANCES["fp4_gemm"].max_ulp
 
 
 def _weights(e, n, k, g):
