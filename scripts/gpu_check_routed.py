@@ -6,8 +6,8 @@ GEMM, swiglu_quant, finalize) on an H200. Writes routed.json and routed.txt to $
 Sections: correctness (Flash H4096 I2048 E256 k6, Pro-TP8 H7168 I384 E384 k6; T 1, 16
 against dsv4_moe.reference.routed_forward run on the GPU, T 256, 4096 against an fp32
 dequantised per-route GEMM on 64 sampled routes), finalize fused == unfused bitwise,
-CUDA-graph replay == eager (decode path), timings per stage (CUDA graphs for T <= 256,
-median of 20), and a GEMM block-config sweep at T = 1, 64, 4096.
+CUDA-graph replay == eager (decode path), timings per stage (CUDA graphs for T <= 256, above
+it 10 eager calls back to back per sample; median of 20), and a GEMM block-config sweep at T = 1, 64, 4096.
 Weights are random bytes with e8m0 scales 118..124 (no checkpoint needed); the expert
 weights (GBs) dwarf the 60 MB L2, so only activations are fresh per call.
 """
@@ -80,14 +80,20 @@ def bench(fn, graph: bool, iters=20):
         run = gr.replay
     else:
         run = fn
+    # NOTE (session 48, scripts/gpu_probe_eager_timing.py): one call between two events on an idle
+    # device also times the host's launch (~40 us for finalize_shared_add), so each sample is the
+    # mean of `per` calls back to back (the device never waits for the host at these T); session
+    # 47's 190.5 us for the fused finalize at Pro-TP8 T = 4096 against the bench's 113.0 was that.
+    per = 1 if graph else 10
     ts = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        run()
+        for _ in range(per):
+            run()
         b.record()
         b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
+        ts.append(a.elapsed_time(b) * 1e3 / per)
     return statistics.median(ts)
 
 
