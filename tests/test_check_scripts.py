@@ -119,3 +119,30 @@ def test_script_runs_on_the_tiny_layer(tmp_path, script, args, want):
     r = subprocess.run([sys.executable, os.path.join(SCRIPTS, script), *args], capture_output=True, text=True,
                        timeout=600, env=env)
     assert r.returncode == 0 and want in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_scale_spread_script(tmp_path):
+    """scripts/scale_spread.py: the spread of a block is over its groups with a nonzero code (a zero
+    group counts at no scale), a block of zeros is -1, K need not be whole 128-blocks; on the
+    embedded checkpoint (Gaussian weights through the checkpoint quantiser) every row-block spreads
+    over <= 2 binades, so the s8 fold of DESIGN.md's lead covers all of them."""
+    import json
+
+    import scale_spread as ss
+    from dsv4_moe.weights.default import DEFAULT_CHECKPOINT_DIR
+
+    codes = torch.zeros(1, 2, 80, dtype=torch.uint8)            # K = 160: one whole block, one of 1 group
+    codes[0, 0, :] = 0x11
+    codes[0, 0, 16:32] = 0x88                                    # row 0, group 1: only -0 codes
+    scales = torch.tensor([[[120, 90, 123, 121, 119], [127, 127, 127, 127, 127]]], dtype=torch.uint8)
+    got = ss.block_spreads(codes, scales.view(torch.float8_e8m0fnu))
+    assert got.tolist() == [[[3, 0], [-1, -1]]]                  # 123 - 120 (90 skipped); 119 alone; row 1 zeros
+    assert ss.spread_counts(got) == {"blocks": 4, "empty": 2, "by_spread": [1, 0, 0, 1] + [0] * (ss.MAX_BIN - 3)}
+    out = tmp_path / "spread.json"
+    assert ss.main([DEFAULT_CHECKPOINT_DIR, "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["layer"] == 1 and d["experts"] == 16
+    for gemm in ("gate_up", "down"):
+        c = d[gemm]
+        assert sum(c["by_spread"]) + c["empty"] == c["blocks"] > 0
+        assert sum(c["by_spread"][3:]) == 0, c
