@@ -6,10 +6,13 @@ GEMM, swiglu_quant, finalize) on an H200. Writes routed.json and routed.txt to $
 Sections: correctness (Flash H4096 I2048 E256 k6, Pro-TP8 H7168 I384 E384 k6; T 1, 16
 against dsv4_moe.reference.routed_forward run on the GPU, T 256, 4096 against an fp32
 dequantised per-route GEMM on 64 sampled routes), finalize fused == unfused bitwise,
-CUDA-graph replay == eager (decode path), timings per stage (CUDA graphs for T <= 256, above
-it 10 eager calls back to back per sample; median of 20), and a GEMM block-config sweep at T = 1, 64, 4096.
-Weights are random bytes with e8m0 scales 118..124 (no checkpoint needed); the expert
-weights (GBs) dwarf the 60 MB L2, so only activations are fresh per call.
+CUDA-graph replay == eager (decode path), timings per stage (10 CUDA-graph replays back to back per
+sample for T <= 256, above it 10 eager calls back to back; median of 20), and a GEMM block-config sweep at
+T = 1, 64, 4096. Weights are random bytes with e8m0 scales 118..124 (no checkpoint needed); the inputs are
+the same on every call, so at small T the few experts hit can sit in the 60 MB L2 (the layer bench,
+scripts/bench_layer.py, rotates weights and inputs and gives the figures of record). The routed weights stay
+in the checkpoint's "nk" byte order (the layer takes "mma64e" on CUDA), so the GEMM timings here are of
+the slower twin layout: session 49's Flash T = 1 gate_up read 42.6 us here, ~27 in the layer's timeline.
 """
 from __future__ import annotations
 
@@ -84,7 +87,13 @@ def bench(fn, graph: bool, iters=20):
     # device also times the host's launch (~40 us for finalize_shared_add), so each sample is the
     # mean of `per` calls back to back (the device never waits for the host at these T); session
     # 47's 190.5 us for the fused finalize at Pro-TP8 T = 4096 against the bench's 113.0 was that.
-    per = 1 if graph else 10
+    # NOTE (session 49, H200): graphs too. One replay between two events carried the graph's own
+    # launch: every decode stage read >= 11 us (the T = 1 finalize 11.2-12.2 us, the router 11.7;
+    # docs/bench/2026-12-02/session49/check_routed_quick_*.txt). Ten replays back to back leave only
+    # the gap between two graphs. At decode T the same weights are read on every call, so a stage
+    # whose weights fit the 60 MB L2 (T = 1: six experts) is timed L2-warm; the layer bench, which
+    # rotates weights and inputs, is where the figures of record come from.
+    per = 10
     ts = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -146,3 +146,27 @@ def test_scale_spread_script(tmp_path):
         c = d[gemm]
         assert sum(c["by_spread"]) + c["empty"] == c["blocks"] > 0
         assert sum(c["by_spread"][3:]) == 0, c
+
+
+def test_ab_layer_driver_parts():
+    """gpu_ab_layer.py (session 49): the bench row parser takes the default path's layer rows only,
+    cases need a label, and each round starts one case later."""
+    import gpu_ab_layer as ab
+
+    text = ("case          | scope | T |   us | TB/s\n"
+            "layer default | layer | 1 | 53.6 | 2.01 | 6.62 |\n"
+            "layer unfused | layer | 1 | 60.1 | 1.80 |\n"
+            "layer default | layer | 16 | 332.3 | 2.6 |\n"
+            "layer default | layer | 4 | skipped |  |\n")
+    assert ab.parse_rows(text) == {1: 53.6, 16: 332.3}
+    skipped = "layer default | layer | 8 | skipped |      |         |  | time budget (--budget-s 15)\n"
+    assert ab.parse_skipped(text + skipped) == {4: "", 8: "time budget (--budget-s 15)"}
+    assert ab.parse_case("default=") == ("default", [])
+    assert ab.parse_case("s4=--set a.B=4 --tokens 1") == ("s4", ["--set", "a.B=4", "--tokens", "1"])
+    for bad in ("noequals", "=--set a.B=1", "two words=x"):
+        with pytest.raises(ValueError, match="--case"):
+            ab.parse_case(bad)
+    assert [ab.order(["a", "b", "c"], r) for r in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    lines = ab.table({"a": {1: [2.0, 1.0, 3.0]}})
+    assert lines[1].split()[:3] == ["a", "1", "2.0"]
