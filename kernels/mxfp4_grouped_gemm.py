@@ -61,6 +61,9 @@ A_PAD_ROWS = 2
 # NOTE (session 31, H200, docs/bench/2026-11-30/session31/): 4 ways at Flash T=1 was 54.8 -> 54.4
 # in the profile A/B (8 ways 57.3) but 55.9 -> 56.3 and 55.9 -> 56.1 us in the layer bench (graph
 # of forwards, two runs): stays 2. MID_K_SPLIT 3 (the gate_up): 54.4 -> 57.3 in the profile A/B.
+# NOTE (session 49, H200, scripts/gpu_ab_layer.py - the layer bench, graph-chain - two alternating runs,
+# docs/bench/2026-12-02/session49/ab_flash_t1_279ea61.txt, us): Flash T=1 2 ways 54.1 / 53.9, 4 ways
+# 54.2 / 54.2; the down at 64-wide tiles (routed_experts.CONFIG_OVERRIDE=down:block_n=64) 55.8 / 55.5.
 SHORT_K_DECODE_SPLIT = 2
 SHORT_K_DECODE_SPLIT_MAX_ROWS = 0.03
 # ... of the long-K ones: K >= 6144 (the Pro-shaped gate_up) splits LONG_K_SPLIT ways below
