@@ -153,6 +153,11 @@ def shared_split_policy(num_tokens: int, intermediate: int) -> tuple[Optional[in
     # ~4 per SM / ~1 per SM): Flash T=2 (overlapped) 80.0 / 86.1 / 95.6, T=3 109.2 / 113.1 /
     # 113.4, T=4 128.9 / 132.4 / 132.0; Pro-TP8 (rule / none / ~2 per SM) T=2 45.9 / 50.1 / 45.8,
     # T=3 59.0 / 60.7 / 59.4.
+    # NOTE (session 49, H200, scripts/gpu_ab_layer.py - the layer bench, graph-chain - alternating runs,
+    # docs/bench/2026-12-02/session49/, us, rule / target 1 / 2 / 3 / 4 / 6 / 0): Flash T=1 53.9 (median of
+    # 3) / 54.0 / 53.8 / 53.9 / 53.8 / 53.8; Pro-TP8 T=1 31.4 / - / 31.2 / - / 31.4, T=4 64.8 / - / 64.3 / - /
+    # 64.6 / - / 66.7, T=8 91.8 / - / 91.5 / - / 91.5 / - / 91.4 (medians of 2). Level within the
+    # default's own spread (53.7-54.1 at Flash T=1), so the rule stays.
     v = SHARED_SPLIT_K_PROGRAMS_PER_SM
     if not is_int(v) or v < -1:
         raise ValueError(f"dispatch.SHARED_SPLIT_K_PROGRAMS_PER_SM={v!r}: expected -1 (the rule) or an int >= 0")
@@ -228,7 +233,7 @@ def pdl_policy(num_tokens: int, shared_overlapped: bool, intermediate: int = 0) 
     return "exit", "shared expert overlapped, T > 1: successors released at CTA exit"
 
 
-SHARED_FORK_POINTS = ("logits", "front", "align")
+SHARED_FORK_POINTS = ("start", "logits", "front", "align")
 
 
 def shared_fork_policy(num_tokens: int, intermediate: int) -> tuple[str, str]:
@@ -271,6 +276,12 @@ def shared_fork_policy(num_tokens: int, intermediate: int) -> tuple[str, str]:
     # 484.6, T=128 506.4 / 512.1, T=160 553.1 / 547.9 (both after the front: the run-to-run spread at one
     # T is up to ~5 us). So T = 64 gains 12-16 us in all three runs; the rest of the band is level
     # within that spread. Left after the front at I > 384 (unmeasured; I = 2048 runs in line at these T).
+    # NOTE (session 49, the layer bench via scripts/gpu_ab_layer.py, three alternating runs, us, rule /
+    # "logits" / "logits" with the shared split-K target at 1 and 2 programs per SM; docs/bench/2026-12-02/
+    # session49/ab_*_t1_fork_279ea61.txt): Flash T=1 53.7 / 56.8 / 56.9 / 56.9, Pro-TP8 T=1 31.5 / 34.9 /
+    # 35.0 / 34.9. One shared program per SM leaves every SM room for the top-k's one CTA and loses as
+    # much, so session 30's reading (the shared GEMMs hold the SMs the top-k needs) is not the cause.
+    # The profiler's timeline put the logits fork 2 us ahead at Pro-TP8 T = 1 (BENCHMARKS session 49 item 3).
     if 0 < intermediate <= 384 and 64 <= num_tokens <= 128:  # measured at I = 384 (narrower: fewer tiles still)
         return "align", (f"T = {num_tokens}, I = {intermediate}: shared expert forked after the routed alignment's "
                          f"launch (measured faster on the H200 at I = 384)")

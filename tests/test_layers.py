@@ -315,9 +315,14 @@ def test_overlap_shared_option():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the shared expert's side stream exists only on CUDA")
 @pytest.mark.parametrize("t", [1, 4, 64])
-def test_overlap_shared_same_bits_on_gpu(t):
-    """The shared expert on its side stream (forced) and in line: the same output bits, and
-    explain() names the side stream."""
+@pytest.mark.parametrize("fork", ["auto", "start", "logits", "front", "align"])
+def test_overlap_shared_same_bits_on_gpu(t, fork, monkeypatch):
+    """The shared expert on its side stream (forced, forked at each point) and in line: the same
+    output bits. "start" quantises x on the side stream with the act_quant stage, the others take
+    the front's quantised x."""
+    from dsv4_moe import layers
+
+    monkeypatch.setattr(layers, "SHARED_FORK", fork)
     cfg = MoEConfig.tiny()
     w = random_layer_weights(cfg, layer_idx=cfg.num_hash_layers, seed=2).to("cuda")
     side, inline = DeepseekV4MoE(cfg, w, overlap_shared=True), DeepseekV4MoE(cfg, w, overlap_shared=False)
@@ -355,7 +360,7 @@ def test_shared_overlap_policy_rule():
 
 
 def test_shared_fork_switch(monkeypatch):
-    """layers.SHARED_FORK: "auto" follows shared_fork_policy, "logits" / "front" / "align" force a
+    """layers.SHARED_FORK: "auto" follows shared_fork_policy, "start" / "logits" / "front" / "align" force a
     point, anything else is a ValueError naming the value; explain() says where the shared expert forks."""
     from dsv4_moe import _explain, layers
 
@@ -363,7 +368,7 @@ def test_shared_fork_switch(monkeypatch):
                     num_hidden_layers=2, num_hash_layers=0, vocab_size=64)
     layer = DeepseekV4MoE(cfg, random_layer_weights(cfg, layer_idx=1, seed=1))
     assert [layer._shared_fork(t) for t in (1, 2, 8, 16)] == ["align", "front", "front", "front"]
-    for point in ("logits", "front", "align"):
+    for point in ("start", "logits", "front", "align"):
         monkeypatch.setattr(layers, "SHARED_FORK", point)
         assert layer._shared_fork(1) == point == layer._shared_fork(16)
     monkeypatch.setattr(layers, "SHARED_FORK", True)
@@ -382,6 +387,8 @@ def test_shared_fork_switch(monkeypatch):
                                                     "(fp8_block_gemm.MID_M_MAX_N)")
     monkeypatch.setattr(layers, "SHARED_FORK", "logits")
     assert "forked after the router's logits launch" in _explain.shared_line(layer, 2)
+    monkeypatch.setattr(layers, "SHARED_FORK", "start")
+    assert "forked before the router, quantising x on its own stream" in _explain.shared_line(layer, 2)
     monkeypatch.setattr(layers, "SHARED_FORK", "gate_up")  # measured slower in session 32, removed
     with pytest.raises(ValueError, match="SHARED_FORK='gate_up': expected 'auto' or one of"):
         layer._shared_fork(1)
