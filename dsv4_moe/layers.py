@@ -55,10 +55,11 @@ SIDE_STREAM_PRIORITY = 0
 # Where the shared expert's side stream forks (dispatch.shared_fork_policy says why): "auto"
 # (the policy), "start" (before the router: the side stream quantises x with the act_quant stage -
 # the bits the front gives the routed experts - so no fork sits inside the main stream's chain;
-# session 49, an A/B value the policy does not pick), "logits" (between the router's logits launch, which quantises x, and its top-k
-# launch, on the front's quant_in_logits path; after the front on the others), "front" (right
-# after the front) or "align" (after the routed alignment's launch, triton routed path, so the
-# shared GEMM's CTAs do not fill the SMs while that one program runs). A/B switch (it was
+# session 49, an A/B value the policy does not pick), "logits" (between the router's logits
+# launch, which quantises x, and its top-k launch, on the front's quant_in_logits path; after the
+# front on the others), "front" (right after the front) or "align" (after the routed alignment's
+# launch, triton routed path, so the shared GEMM's CTAs do not fill the SMs while that one program
+# runs). A/B switch (it was
 # FORK_AFTER_ALIGN "on" / "off" until session 30). NOTE (session 32, H200, gpu_profile_layer.py --ab,
 # 12 forwards per graph, 3 captures, us, docs/bench/2026-11-30/session32/): a fork after the routed
 # gate_up GEMM's launch ("gate_up", session 31) was slower at every T tried: Flash T=1 53.5 / 55.8,
