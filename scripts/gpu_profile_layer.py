@@ -49,21 +49,24 @@ from dsv4_moe.testing import random_layer_weights
 
 
 def capture(layer, x, ids, inner=10, pool=None):
-    """A graph of `inner` forwards; `layer` may be a list of layers (weight sets), used in turn;
+    """A graph of `inner` forwards; `layer` may be a list of layers (weight sets), used in turn, and
+    so may `x` / `ids` (input sets: forward j takes x[j % len(x)], independently of its layer);
     `pool`: a graph memory pool to capture into (another graph's `.pool()`), else a private one."""
     layers = layer if isinstance(layer, list) else [layer]
+    xs = x if isinstance(x, list) else [x]
+    idss = ids if isinstance(ids, list) else [ids] * len(xs)
     with torch.no_grad():
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):
-                for lay in layers:
-                    lay(x, ids)
+                for j in range(max(len(layers), len(xs))):
+                    layers[j % len(layers)](xs[j % len(xs)], idss[j % len(xs)])
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=pool):
             for j in range(inner):
-                layers[j % len(layers)](x, ids)
+                layers[j % len(layers)](xs[j % len(xs)], idss[j % len(xs)])
     g.replay()
     torch.cuda.synchronize()
     return g

@@ -16,10 +16,21 @@ the next forward's start inside one replay: what a forward costs in a model's gr
 
 `--set MODULE.ATTR=V` (repeatable) sets module constants first (as bench_layer.py does).
 Writes $OUT/timeline_layer[_TAG].txt and .json.
+
+Session 49 added two things, because this tool and the layer bench had disagreed five times on the sign
+of a 1-3 µs change (BENCHMARKS.md session 49 item 3):
+- `events` in the head line: the same graph's time per forward from CUDA events around 20 replays,
+  without the profiler. If it differs from `period`, the profiler (CUPTI) changes what it measures.
+- `--rotation bench`: the layer bench's rotation instead of `--weight-sets` whole layers. That is one
+  set of routed experts shared by `--weight-sets` router + shared copies (dsv4_moe.bench.sweep.weight_copies),
+  with `--input-sets` different x taken in turn, so consecutive forwards route differently.
+  The default, `layers`, gives every forward of a layer the same x. If one rotation agrees with the
+  bench and the other does not, the rotation is the cause.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -41,13 +52,31 @@ def _apply_sets(sets: list[str]) -> None:
         print(_apply_set(item), flush=True)
 
 
+def events_period_us(g, inner: int, replays: int, repeats: int = 3) -> float:
+    """The graph's time per forward from CUDA events around `replays` replays (no profiler):
+    the median over `repeats`."""
+    ts = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(replays):
+            g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / (replays * inner))
+    return statistics.median(ts)
+
+
 def timeline(sets, x, ids, inner: int, replays: int):
+    """((table, summary), "") or (None, why) for a graph of `inner` forwards over `sets` (x / ids
+    may be lists: input sets taken in turn); summary["events_us"] is the same graph timed by events."""
     from torch.profiler import ProfilerActivity, profile
     from gpu_profile_layer import capture  # scripts/ is on sys.path when this script runs
     g = capture(sets, x, ids, inner)
     for _ in range(5):
         g.replay()
     torch.cuda.synchronize()
+    events_us = events_period_us(g, inner, replays)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             g.replay()
@@ -55,7 +84,10 @@ def timeline(sets, x, ids, inner: int, replays: int):
     evs = [(e.name(), e.start_ns(), e.end_ns()) for e in prof.profiler.kineto_results.events()
            if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0
            and not e.name().startswith(("Memcpy", "Memset"))]
-    return forward_table(evs, inner, replays)
+    res, why = forward_table(evs, inner, replays)
+    if res is not None:
+        res[1]["events_us"] = events_us
+    return res, why
 
 
 def forward_table(evs, inner: int, replays: int):
@@ -102,15 +134,35 @@ def forward_table(evs, inner: int, replays: int):
     return (table, summary), ""
 
 
+def build_sets(cfg, rotation: str, n: int, device: str = "cuda") -> list:
+    """The layers a graph's forwards take in turn: n whole layers (rotation "layers", seeds 0..n-1), or
+    the layer bench's n layers over one set of routed experts in the layout the layer picks, each with
+    its own router and shared tensors (rotation "bench")."""
+    if rotation == "layers":
+        return [DeepseekV4MoE(cfg, random_layer_weights(cfg, layer_idx=5, seed=s, device=device)) for s in range(n)]
+    from dsv4_moe.bench.sweep import weight_copies
+    from dsv4_moe.layers import choose_routed_layout
+    w = random_layer_weights(cfg, layer_idx=5, seed=0, device=device)
+    layout, _ = choose_routed_layout(w.routed, "auto")
+    w = dataclasses.replace(w, routed=w.routed.with_layout(layout))
+    return [DeepseekV4MoE(cfg, wc) for wc in weight_copies(w, n)]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="pro-tp8")
     ap.add_argument("--tokens", default="1,16")
     ap.add_argument("--weight-sets", type=int, default=4)
+    ap.add_argument("--rotation", choices=("layers", "bench"), default="layers",
+                    help="layers: --weight-sets whole layers, one x; bench: the layer bench's rotation (one routed "
+                         "set, --weight-sets router + shared copies, --input-sets x in turn)")
+    ap.add_argument("--input-sets", type=int, default=4, help="x sets taken in turn (--rotation bench)")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--set", action="append", default=[], help="MODULE.ATTR=V, applied before the layers are built")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
+    if args.weight_sets < 1 or args.input_sets < 1:
+        raise SystemExit(f"--weight-sets={args.weight_sets}, --input-sets={args.input_sets}: expected >= 1")
     _apply_sets(args.set)
     out = os.environ.get("OUT", "./out")
     os.makedirs(out, exist_ok=True)
@@ -119,21 +171,24 @@ def main():
     lines, js = [], []
     for name in args.presets.split(","):
         cfg = cfgs[name]
-        sets = [DeepseekV4MoE(cfg, random_layer_weights(cfg, layer_idx=5, seed=s, device="cuda"))
-                for s in range(args.weight_sets)]
+        sets = build_sets(cfg, args.rotation, args.weight_sets)
         inner = 3 * len(sets)
+        n_x = args.input_sets if args.rotation == "bench" else 1
         for t in [int(v) for v in args.tokens.split(",")]:
             gen = torch.Generator(device="cuda").manual_seed(t)
-            x = torch.randn(t, cfg.hidden_size, device="cuda", generator=gen).bfloat16()
-            ids = torch.randint(0, cfg.vocab_size, (t,), device="cuda", generator=gen)
-            res, why = timeline(sets, x, ids, inner, args.replays)
+            xs = [torch.randn(t, cfg.hidden_size, device="cuda", generator=gen).bfloat16() for _ in range(n_x)]
+            ids = [torch.randint(0, cfg.vocab_size, (t,), device="cuda", generator=gen) for _ in range(n_x)]
+            res, why = timeline(sets, xs, ids, inner, args.replays)
             if res is None:
                 lines.append(f"== {name} T={t}: {why}")
                 print(lines[-1], flush=True)
                 continue
             table, s = res
-            head = (f"== {name} T={t} ({args.weight_sets} weight sets, {args.set or 'defaults'}): span "
-                    f"{s['span_us']:.1f} us, period {s['period_us']:.1f} us, {s['kernels_per_forward']} kernels"
+            rot = (f"{args.weight_sets} weight sets" if args.rotation == "layers" else
+                   f"bench rotation: {args.weight_sets} router + shared copies, {n_x} x sets")
+            head = (f"== {name} T={t} ({rot}, {args.set or 'defaults'}): span {s['span_us']:.1f} us, "
+                    f"period {s['period_us']:.1f} us (events, no profiler: {s['events_us']:.1f} us per forward), "
+                    f"{s['kernels_per_forward']} kernels"
                     + (f"; set aside (not once per forward): {s['set_aside']}" if s["set_aside"] else ""))
             lines.append(head)
             lines.append(f"   {'start':>7} {'end':>7} {'dur':>6} {'+end':>6}  kernel (in order of their end)")
@@ -143,7 +198,8 @@ def main():
                              f"{kname}{f' #{occ + 1}' if occ else ''}")
                 prev = r["end"]
             print("\n".join(lines[-len(table) - 2:]), flush=True)
-            js.append(dict(preset=name, T=t, sets=args.set, **s,
+            js.append(dict(preset=name, T=t, sets=args.set, rotation=args.rotation, weight_sets=args.weight_sets,
+                           input_sets=n_x, **s,
                            kernels=[dict(name=k[0], occurrence=k[1], **r) for k, r in table]))
         del sets
         torch.cuda.empty_cache()

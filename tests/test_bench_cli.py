@@ -487,3 +487,25 @@ def test_gpu_check_layer_checkpoint_only_flag():
         r = subprocess.run([sys.executable, script, "--checkpoint-only", extra], capture_output=True, text=True,
                            timeout=300)
         assert r.returncode == 2 and "--checkpoint-only cannot be combined" in r.stderr, r.stderr
+
+
+def test_timeline_rotations_build_what_they_name():
+    """gpu_timeline_layer.build_sets (session 49): "bench" is the layer bench's rotation - every layer
+    reads the same routed expert tensors and its own router and shared copies (equal values); "layers"
+    builds whole layers with different weights."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    from gpu_timeline_layer import build_sets
+
+    from dsv4_moe import MoEConfig
+
+    cfg = MoEConfig.tiny().replace(num_hidden_layers=6)   # the tool builds layer 5, as in a V4 model
+    bench = build_sets(cfg, "bench", 3, device="cpu")
+    assert len(bench) == 3
+    ptr = {lay.routed.gate_up.data_ptr() for lay in bench}
+    assert len(ptr) == 1, "the bench rotation shares one set of routed experts"
+    assert len({lay.router.weight.data_ptr() for lay in bench}) == 3
+    assert len({lay.shared_experts.w_gate_up.data_ptr() for lay in bench}) == 3
+    assert all(torch.equal(lay.router.weight, bench[0].router.weight) for lay in bench)
+    whole = build_sets(cfg, "layers", 2, device="cpu")
+    assert whole[0].routed.gate_up.data_ptr() != whole[1].routed.gate_up.data_ptr()
+    assert not torch.equal(whole[0].routed.gate_up, whole[1].routed.gate_up)
