@@ -26,6 +26,9 @@ of a 1-3 µs change (BENCHMARKS.md session 49 item 3):
   with `--input-sets` different x taken in turn, so consecutive forwards route differently.
   The default, `layers`, gives every forward of a layer the same x. If one rotation agrees with the
   bench and the other does not, the rotation is the cause.
+Session 50 found neither was (BENCHMARKS.md session 50), so the head line now also times the same
+layers and inputs with the layer bench's own harness (`dsv4_moe.bench.timing.time_sets`, one chained
+graph): if that agrees with `events`, the two tools differ in what they build, not in how they time.
 """
 from __future__ import annotations
 
@@ -67,6 +70,24 @@ def events_period_us(g, inner: int, replays: int, repeats: int = 3) -> float:
     return statistics.median(ts)
 
 
+def bench_timing_us(sets, x, ids, repeats=(1, 3)) -> dict:
+    """The same forwards timed by the layer bench's own harness (dsv4_moe.bench.timing.time_sets,
+    one chained graph, as `bench_layer.py --graph-chain` does), with the rotation's forwards once
+    (the bench's graph) and `repeats` times over in one graph: {repeat: us per forward}. If the time
+    per forward falls with the graph's length, a cost paid once per replay is spread over the forwards."""
+    from dsv4_moe.bench.timing import time_sets
+    layers = sets if isinstance(sets, list) else [sets]
+    xs = x if isinstance(x, list) else [x]
+    idss = ids if isinstance(ids, list) else [ids] * len(xs)
+    n = max(len(layers), len(xs))
+    out = {}
+    for rep in repeats:
+        fns = [(lambda L=layers[j % len(layers)], xx=xs[j % len(xs)], ii=idss[j % len(xs)]: L(xx, ii))
+               for j in range(n * rep)]
+        out[rep] = time_sets(fns, device="cuda", graphs=True, chain=True, max_inner=200).median_us
+    return out
+
+
 def timeline(sets, x, ids, inner: int, replays: int):
     """((table, summary), "") or (None, why) for a graph of `inner` forwards over `sets` (x / ids
     may be lists: input sets taken in turn); summary["events_us"] is the same graph timed by events."""
@@ -77,6 +98,7 @@ def timeline(sets, x, ids, inner: int, replays: int):
         g.replay()
     torch.cuda.synchronize()
     events_us = events_period_us(g, inner, replays)
+    bench_us = bench_timing_us(sets, x, ids)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             g.replay()
@@ -87,6 +109,7 @@ def timeline(sets, x, ids, inner: int, replays: int):
     res, why = forward_table(evs, inner, replays)
     if res is not None:
         res[1]["events_us"] = events_us
+        res[1]["bench_us"] = bench_us
     return res, why
 
 
@@ -98,7 +121,8 @@ def forward_table(evs, inner: int, replays: int):
     of equal kernel counts; table: [((short name, occurrence in the forward), {start, end,
     dur} medians in us from the forward's first start)] in the order of the median ends;
     summary: kernels per forward, the median span, the median period (first start to the next
-    forward's first start, inside one replay) and the set-aside kernels with their counts."""
+    forward's first start, inside one replay), the median idle gap between replays (the last end of
+    one replay to the first start of the next) and the set-aside kernels with their counts."""
     forwards = replays * inner
     counts = defaultdict(int)
     for e in evs:
@@ -129,8 +153,12 @@ def forward_table(evs, inner: int, replays: int):
                if (f + 1) % inner]  # within one replay only
     med = statistics.median
     table = sorted(((k, {m: med(v) for m, v in r.items()}) for k, r in rows.items()), key=lambda kv: kv[1]["end"])
+    # the idle time between one replay's last kernel end and the next replay's first start (what
+    # `events` and the bench pay per replay, not per forward; session 50)
+    gaps = [(fwd_starts[r * inner] - max(e[2] for e in evs[(r * inner - 1) * per:r * inner * per])) / 1e3
+            for r in range(1, replays)]
     summary = dict(kernels_per_forward=per, span_us=med(spans), period_us=med(periods) if periods else None,
-                   set_aside=aside)
+                   replay_gap_us=med(gaps) if gaps else None, set_aside=aside)
     return (table, summary), ""
 
 
@@ -187,7 +215,11 @@ def main():
             rot = (f"{args.weight_sets} weight sets" if args.rotation == "layers" else
                    f"bench rotation: {args.weight_sets} router + shared copies, {n_x} x sets")
             head = (f"== {name} T={t} ({rot}, {args.set or 'defaults'}): span {s['span_us']:.1f} us, "
-                    f"period {s['period_us']:.1f} us (events, no profiler: {s['events_us']:.1f} us per forward), "
+                    f"period {s['period_us']:.1f} us, gap between replays {s['replay_gap_us']:.1f} us (events, no "
+                    f"profiler: {s['events_us']:.1f} us per forward over {inner}-forward replays; the bench's "
+                    f"harness on the same layers, per forward: "
+                    + ", ".join(f"{v:.1f} in {k * len(sets)}-forward graphs" for k, v in s["bench_us"].items())
+                    + "), "
                     f"{s['kernels_per_forward']} kernels"
                     + (f"; set aside (not once per forward): {s['set_aside']}" if s["set_aside"] else ""))
             lines.append(head)

@@ -447,7 +447,8 @@ def test_set_option_sets_a_module_constant_and_notes_it(tmp_path, monkeypatch):
 def test_timeline_forward_table():
     """scripts/gpu_timeline_layer.py's cut of a graph replay's kernel events into forwards:
     medians per (kernel, occurrence) relative to each forward's first start, ordered by end;
-    the period inside a replay only (the gap between replays is not a forward's cost); a
+    the period inside a replay only (the gap between replays is not a forward's cost, and is given on
+    its own: replay 0's last end 294 us, replay 1's first start 10 ms); a
     kernel whose count does not divide into forwards is set aside and named, and nothing left
     is refused."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
@@ -463,7 +464,8 @@ def test_timeline_forward_table():
                     ("_finalize_kernel", t0 + 90_500, t0 + 92_000 + f * 1_000)]
     (table, summary), why = forward_table(list(reversed(evs)), inner=3, replays=2)
     assert why == ""
-    assert summary == dict(kernels_per_forward=4, span_us=93.0, period_us=100.0, set_aside={})
+    assert summary == dict(kernels_per_forward=4, span_us=93.0, period_us=100.0, replay_gap_us=9706.0,
+                           set_aside={})
     names = [(k[0], k[1]) for k, _ in table]
     assert names == [("_router_logits_kernel", 0), ("_mxfp4_grouped_gemm_swap_kernel", 0),
                      ("_mxfp4_grouped_gemm_swap_kernel", 1), ("_finalize_kernel", 0)]
