@@ -177,6 +177,13 @@ def test_overlap_shared_option_reaches_the_layers_and_the_notes(tmp_path, monkey
         main(FAST + ["--overlap-shared", "sometimes"])
 
 
+def test_graph_chain_min_calls_flag(capsys):
+    """--graph-chain-min-calls is refused below 1 before anything is built, with the flag and value named."""
+    with pytest.raises(SystemExit):
+        main(FAST + ["--graph-chain-min-calls", "0"])
+    assert "--graph-chain-min-calls=0: expected >= 1" in capsys.readouterr().err
+
+
 def test_expert_parallel_rank_runs_stages_and_explains_the_layer_skip(tmp_path):
     path = tmp_path / "ep.json"
     assert main(FAST + ["--tokens", "4", "--ep-size", "2", "--ep-rank", "1", "--parts", "layer,stages",
@@ -279,6 +286,26 @@ def test_time_sets_cpu_median_and_rotation():
     assert calls.count(0) == calls.count(1)  # both sets are used equally often
     with pytest.raises(ValueError, match="fns is empty"):
         time_sets([], device="cpu")
+    assert t.as_dict()["graph_calls"] == 1
+    with pytest.raises(ValueError, match="chain_min_calls=0"):
+        time_sets([lambda: None], device="cpu", chain_min_calls=0)
+
+
+def test_chain_repeats():
+    """The chained graph's rotation repeats until it holds CHAIN_MIN_CALLS calls (a model's graph holds
+    43-61 MoE layers; session 50 measured a replay's own cost of tens of us spread over a 16-call
+    chain), but never past CHAIN_MAX_MS of device time per replay, and at least once."""
+    from dsv4_moe.bench.timing import CHAIN_MAX_MS, CHAIN_MIN_CALLS, chain_repeats
+    assert CHAIN_MIN_CALLS == 64
+    assert chain_repeats(16, 0.5) == 4            # Pro-TP8 T = 1: 16 calls of ~31 us -> 64 calls, ~2 ms
+    assert chain_repeats(16, 0.5, min_calls=48) == 3
+    assert chain_repeats(12, 0.5) == 6            # ceil(64 / 12): 72 calls, never fewer than 64
+    assert chain_repeats(64, 0.5) == 1 and chain_repeats(100, 0.1) == 1
+    assert chain_repeats(4, CHAIN_MAX_MS / 3) == 3    # large T: as many as fit in CHAIN_MAX_MS
+    assert chain_repeats(4, 2 * CHAIN_MAX_MS) == 1    # one replay already past it: the rotation once
+    assert chain_repeats(16, 0.0) == 4
+    with pytest.raises(ValueError, match="n_calls=0"):
+        chain_repeats(0, 1.0)
 
 
 def test_speedups_compare_default_with_same_scope_baselines():

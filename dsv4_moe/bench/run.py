@@ -43,7 +43,7 @@ from . import report
 from .model import LayerDims
 from .peers import DEFAULT_PEERS, PEER_TOLERANCE, PEERS
 from .synthetic import synthetic_layer_weights
-from .timing import measure_hardware, time_sets
+from .timing import CHAIN_MAX_MS, CHAIN_MIN_CALLS, measure_hardware, time_sets
 
 __all__ = ["main", "build_parser", "DEFAULT_TOKENS", "OUR_TOLERANCE"]
 
@@ -88,6 +88,10 @@ def build_parser(prog: str = "python -m dsv4_moe bench") -> argparse.ArgumentPar
                      help="capture the rotated sets' calls one after the other into one graph (mode "
                           "'graph-chain'), as a model's graph holds its layers: no graph launch between "
                           "two calls; the time is still per call. Default: one graph per call")
+    run.add_argument("--graph-chain-min-calls", type=int, default=CHAIN_MIN_CALLS,
+                     help="with --graph-chain: repeat the rotation in the graph until it holds this many calls "
+                          f"(while one replay stays under {CHAIN_MAX_MS:g} ms), so a replay's own cost is spread "
+                          "as over a model's layers (session 50); 1: the rotation once (sessions <= 49)")
     run.add_argument("--routed-layout", choices=("auto", "nk", "mma64", "mma64e"), default="auto",
                      help="byte order of this package's routed weights (DeepseekV4MoE routed_layout; 'auto' "
                           "takes 'mma64e' on CUDA, 'mma64' is its same-bits A/B twin)")
@@ -211,7 +215,8 @@ class _Bench:
         use_graphs = graphs and self.args.graphs and row["T"] <= self.args.graph_max_tokens
         try:
             t = time_sets(fns, device=self.device, graphs=use_graphs, reps=reps or self.reps, context=context,
-                          max_inner=max_inner, chain=self.args.graph_chain)
+                          max_inner=max_inner, chain=self.args.graph_chain,
+                          chain_min_calls=getattr(self.args, "graph_chain_min_calls", CHAIN_MIN_CALLS))
         except Exception as e:  # noqa: BLE001
             self._drain()
             return self.add(dict(row, status="error", reason=f"timing: {type(e).__name__}: {str(e)[:300]}"))
@@ -297,7 +302,8 @@ def _apply_set(item: str) -> str:
 def main(argv: Optional[list[str]] = None, prog: str = "python -m dsv4_moe bench") -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    for flag, v, lo in (("--sets", args.sets, 0), ("--reps", args.reps, 0), ("--check-rows", args.check_rows, 0)):
+    for flag, v, lo in (("--sets", args.sets, 0), ("--reps", args.reps, 0), ("--check-rows", args.check_rows, 0),
+                        ("--graph-chain-min-calls", args.graph_chain_min_calls, 1)):
         if v < lo:
             parser.error(f"{flag}={v}: expected >= {lo}")
     if not (args.budget_s >= 0 and math.isfinite(args.budget_s)):   # 0: every row skipped, with the reason

@@ -12,7 +12,8 @@ not serve the next call from cache. On CUDA:
    `Timing.mode`. With `chain=True` all the callables are captured one after the other into
    one graph (mode "graph-chain"), as a model's graph holds its layers: no graph launch
    between two calls, and programmatic dependent launch reaches from one call into the next.
-   One replay is then n calls;
+   One replay is then n calls - or the rotation repeated until the graph holds `chain_min_calls`
+   calls (a model's graph holds ~43-61 MoE layers), while one replay stays under CHAIN_MAX_MS;
 3. one calibration batch sizes the inner loop so each timed batch lasts >= target_ms;
 4. `reps` batches are timed with CUDA events around the whole batch, cycling the sets;
    the reported time is the median batch time / calls.
@@ -49,10 +50,35 @@ class Timing:
     n_sets: int
     calls_per_batch: int
     samples_us: list = field(default_factory=list)
+    graph_calls: int = 1  # calls captured in one graph ("graph-chain": the rotation, maybe repeated)
 
     def as_dict(self) -> dict:
         return {"us": self.median_us, "us_min": self.min_us, "mode": self.mode, "n_sets": self.n_sets,
-                "calls_per_batch": self.calls_per_batch}
+                "calls_per_batch": self.calls_per_batch, "graph_calls": self.graph_calls}
+
+
+# NOTE (session 50, H200, BENCHMARKS.md session 50): a graph replay carries a cost of its own that
+# the profiler's timeline does not show as idle time (1.8-2.4 us between replays) and that depends
+# on the graph's streams: the same layers timed per call in one chained graph of the 16-call
+# rotation and of that rotation three times over (48 calls) read Flash T = 1 53.5 / 51.4 us, the
+# shared expert forked after the logits 56.8 / 53.5, Pro-TP8 T = 1 with that fork 35.0 / 31.9, its
+# default 31.4 / 32.2, T = 4 with the fork before the router 78.8 / 71.4 - tens of us per replay
+# (up to ~180) spread over 16 calls. A model's graph spreads it over all its layers, so the chain
+# now holds at least CHAIN_MIN_CALLS calls (Pro has 61 MoE layers, Flash 43).
+CHAIN_MIN_CALLS = 64
+CHAIN_MAX_MS = 50.0  # no repeat beyond this much device time per replay (large T: the cost is noise there)
+
+
+def chain_repeats(n_calls: int, replay_ms: float, min_calls: int = CHAIN_MIN_CALLS,
+                  max_ms: float = CHAIN_MAX_MS) -> int:
+    """How often a rotation of n_calls calls (one replay of it: replay_ms) repeats in one chained
+    graph: enough for min_calls calls, as long as one replay of the whole stays within max_ms;
+    at least once."""
+    if n_calls < 1:
+        raise ValueError(f"chain_repeats: n_calls={n_calls!r}: expected >= 1")
+    want = max(1, math.ceil(min_calls / n_calls))
+    fit = max(1, int(max_ms / replay_ms + 1e-9)) if replay_ms > 0 else want
+    return min(want, fit)
 
 
 def _nullctx() -> ContextManager:
@@ -61,16 +87,20 @@ def _nullctx() -> ContextManager:
 
 def time_sets(fns: Sequence[Callable[[], object]], *, device: str, graphs: bool = True, reps: int = 15,
               target_ms: float = 3.0, max_inner: int = 200,
-              context: Callable[[], ContextManager] = _nullctx, chain: bool = False) -> Timing:
+              context: Callable[[], ContextManager] = _nullctx, chain: bool = False,
+              chain_min_calls: int = CHAIN_MIN_CALLS) -> Timing:
     """Time a rotation of callables; see the module docstring. `context()` is entered around
     every eager call and every capture (e.g. `force_paths(...)`); graph replays need it not.
-    `chain` (graphs only): all callables in one graph, the time still per call."""
+    `chain` (graphs only): all callables in one graph, repeated up to `chain_min_calls` calls
+    (1: the rotation once), the time still per call."""
     if not fns:
         raise ValueError("time_sets: fns is empty; expected one callable per rotated input set")
     if reps < 1:
         raise ValueError(f"time_sets: reps={reps!r}: expected >= 1")
+    if chain_min_calls < 1:
+        raise ValueError(f"time_sets: chain_min_calls={chain_min_calls!r}: expected >= 1")
     if str(device).startswith("cuda"):
-        return _time_cuda(list(fns), graphs, reps, target_ms, max_inner, context, chain)
+        return _time_cuda(list(fns), graphs, reps, target_ms, max_inner, context, chain, chain_min_calls)
     return _time_cpu(list(fns), reps, target_ms, max_inner, context)
 
 
@@ -93,7 +123,27 @@ def _time_cpu(fns, reps, target_ms, max_inner, context) -> Timing:
     return Timing(statistics.median(samples), min(samples), "cpu", n, inner, samples)
 
 
-def _time_cuda(fns, graphs, reps, target_ms, max_inner, context, chain=False) -> Timing:
+def _capture(group):
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in group:
+            f()
+    return g
+
+
+def _replay_ms(g) -> float:
+    """One replay of g, timed by events after one untimed replay."""
+    g.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
+def _time_cuda(fns, graphs, reps, target_ms, max_inner, context, chain=False,
+               chain_min_calls=CHAIN_MIN_CALLS) -> Timing:
     cur = torch.cuda.current_stream()
     runners = fns
     mode = "eager"
@@ -107,15 +157,18 @@ def _time_cuda(fns, graphs, reps, target_ms, max_inner, context, chain=False) ->
             f()
     cur.wait_stream(side)
     torch.cuda.synchronize()
+    repeats = 1
     if graphs:
         try:
             with context():
                 for group in ([fns] if chain else [[f] for f in fns]):
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):
-                        for f in group:
-                            f()
-                    captured.append(g)
+                    captured.append(_capture(group))
+                if chain and chain_min_calls > len(fns):
+                    repeats = chain_repeats(len(fns), _replay_ms(captured[0]), chain_min_calls)
+                    if repeats > 1:
+                        captured = []
+                        torch.cuda.synchronize()
+                        captured.append(_capture(list(fns) * repeats))
             runners = [g.replay for g in captured]
             mode = "graph-chain" if chain else "graph"
         except Exception as e:  # noqa: BLE001 - any capture failure means "time it eagerly"
@@ -123,7 +176,7 @@ def _time_cuda(fns, graphs, reps, target_ms, max_inner, context, chain=False) ->
             captured = []
             mode = f"eager (graph capture failed: {type(e).__name__}: {str(e)[:120]})"
     ctx = _nullctx if mode.startswith("graph") else context
-    calls = len(fns) if mode == "graph-chain" else 1  # calls per runner
+    calls = len(fns) * repeats if mode == "graph-chain" else 1  # calls per runner
     n = len(runners)
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
@@ -146,7 +199,7 @@ def _time_cuda(fns, graphs, reps, target_ms, max_inner, context, chain=False) ->
             end.synchronize()
             samples.append(start.elapsed_time(end) * 1e3 / (inner * calls))
     del captured
-    return Timing(statistics.median(samples), min(samples), mode, len(fns), inner * calls, samples)
+    return Timing(statistics.median(samples), min(samples), mode, len(fns), inner * calls, samples, calls)
 
 
 @dataclass
