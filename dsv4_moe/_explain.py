@@ -46,8 +46,7 @@ def shared_line(layer, num_tokens: int) -> str:
     how = (dispatch.shared_fork_policy(num_tokens, layer.config.local_intermediate(layer.tp_size))[1]
            if layers.SHARED_FORK == "auto" else f"layers.SHARED_FORK = {layers.SHARED_FORK!r}")
     split = dispatch.shared_split_policy(num_tokens, layer.config.local_intermediate(layer.tp_size))[1]
-    where = {"start": "before the router, quantising x on its own stream (act_quant, the same bits)",
-             "logits": "after the router's logits launch (on the quant_in_logits front; else after the front)",
+    where = {"logits": "after the router's logits launch (on the quant_in_logits front; else after the front)",
              "align": "after the routed alignment", "front": "right after the front"}[point]
     return f"{why}; forked {where} ({how}); {split}"
 

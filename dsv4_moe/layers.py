@@ -53,13 +53,10 @@ __all__ = ["DeepseekV4MLP", "DeepseekV4MoE", "load_moe_layer", "choose_routed_la
 # 541.4, T=256 605.5 / 631.2; Flash T=64 823.1 / 834.7, T=256 1143.6 / 1148.3.
 SIDE_STREAM_PRIORITY = 0
 # Where the shared expert's side stream forks (dispatch.shared_fork_policy says why): "auto"
-# (the policy), "start" (before the router: the side stream quantises x with the act_quant stage -
-# the bits the front gives the routed experts - so no fork sits inside the main stream's chain;
-# session 49, an A/B value the policy does not pick), "logits" (between the router's logits
-# launch, which quantises x, and its top-k launch, on the front's quant_in_logits path; after the
-# front on the others), "front" (right after the front) or "align" (after the routed alignment's
-# launch, triton routed path, so the shared GEMM's CTAs do not fill the SMs while that one program
-# runs). A/B switch (it was
+# (the policy), "logits" (between the router's logits launch, which quantises x, and its top-k
+# launch, on the front's quant_in_logits path; after the front on the others), "front" (right
+# after the front) or "align" (after the routed alignment's launch, triton routed path, so the
+# shared GEMM's CTAs do not fill the SMs while that one program runs). A/B switch (it was
 # FORK_AFTER_ALIGN "on" / "off" until session 30). NOTE (session 32, H200, gpu_profile_layer.py --ab,
 # 12 forwards per graph, 3 captures, us, docs/bench/2026-11-30/session32/): a fork after the routed
 # gate_up GEMM's launch ("gate_up", session 31) was slower at every T tried: Flash T=1 53.5 / 55.8,
@@ -251,14 +248,11 @@ class DeepseekV4MoE(_NativeBuffers):
         forked: list = []
 
         def fork(q_, sa_, *_):
-            """The shared expert on the side stream once q, sa are enqueued on the main one (None:
-            the side stream quantises x itself, the "start" fork)."""
+            """The shared expert on the side stream once q, sa are enqueued on the main one."""
             main_ = torch.cuda.current_stream(x.device)
             side.wait_stream(main_)
             split = dispatch.shared_split_policy(t, c.local_intermediate(self.tp_size))[0]
             with torch.cuda.stream(side), dispatch.side_stream_scope(split):
-                if q_ is None:
-                    q_, sa_ = dispatch.select("act_quant", ctx).impl(x)[:2]
                 forked.append(self.shared_experts.forward_quantised(q_, sa_, ctx))
 
         point = self._shared_fork(t) if side is not None else None
@@ -281,8 +275,6 @@ class DeepseekV4MoE(_NativeBuffers):
 
         if pf_point == "start":
             prefetch()
-        if point == "start":
-            fork(None, None)
         front = dispatch.select("front", ctx)
         topk_w, topk_ids, q, sa, q_pairs, align = front.impl(
             ctx, x, self.router, input_ids, c.num_experts_per_tok, c.routed_scaling_factor, self.routed, pairs,
@@ -344,7 +336,7 @@ class DeepseekV4MoE(_NativeBuffers):
         return False, "in line (overlap_shared=False)"
 
     def _shared_fork(self, num_tokens: int) -> str:
-        """Where the shared expert forks at num_tokens tokens: "start", "logits", "front" or "align"."""
+        """Where the shared expert forks at num_tokens tokens: "logits", "front" or "align"."""
         if SHARED_FORK == "auto":
             return dispatch.shared_fork_policy(num_tokens, self.config.local_intermediate(self.tp_size))[0]
         if SHARED_FORK not in dispatch.SHARED_FORK_POINTS:

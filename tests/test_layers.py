@@ -315,11 +315,10 @@ def test_overlap_shared_option():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the shared expert's side stream exists only on CUDA")
 @pytest.mark.parametrize("t", [1, 4, 64])
-@pytest.mark.parametrize("fork", ["auto", "start", "logits", "front", "align"])
+@pytest.mark.parametrize("fork", ["auto", "logits", "front", "align"])
 def test_overlap_shared_same_bits_on_gpu(t, fork, monkeypatch):
     """The shared expert on its side stream (forced, forked at each point) and in line: the same
-    output bits. "start" quantises x on the side stream with the act_quant stage, the others take
-    the front's quantised x."""
+    output bits."""
     from dsv4_moe import layers
 
     monkeypatch.setattr(layers, "SHARED_FORK", fork)
@@ -338,7 +337,7 @@ def test_shared_overlap_policy_rule():
     other decode sizes (T = 2 again since session 28), above the band and for Pro-TP8's
     I/tp = 384 at every T (its session-22 in-line band at T = 3-4 measured slower in session 27);
     dispatch.shared_fork_policy: the fork after the routed alignment at Flash-shaped T = 1, after the
-    router's logits at Pro-shaped T = 2 and 4-8 (session 30), else after the front;
+    router's logits at Pro-shaped T = 1-2 and 4-8 (sessions 30, 50), else after the front;
     dispatch.shared_split_policy: unsplit shared GEMMs at Flash-shaped T = 2-4 only."""
     from dsv4_moe import dispatch
 
@@ -355,12 +354,12 @@ def test_shared_overlap_policy_rule():
     assert [dispatch.shared_fork_policy(t, 2048)[0] for t in (1, 2, 8, 12, 16)] == \
         ["align", "front", "front", "front", "front"]
     assert [dispatch.shared_fork_policy(t, 384)[0] for t in (1, 2, 3, 4, 8, 9, 16, 63, 64, 128, 129)] == \
-        ["front", "logits", "front", "logits", "logits", "front", "front", "front", "align", "align", "front"]
+        ["logits", "logits", "front", "logits", "logits", "front", "front", "front", "align", "align", "front"]
     assert [dispatch.shared_fork_policy(t, i)[0] for t in (64, 128) for i in (768, 2048)] == ["front"] * 4
 
 
 def test_shared_fork_switch(monkeypatch):
-    """layers.SHARED_FORK: "auto" follows shared_fork_policy, "start" / "logits" / "front" / "align" force a
+    """layers.SHARED_FORK: "auto" follows shared_fork_policy, "logits" / "front" / "align" force a
     point, anything else is a ValueError naming the value; explain() says where the shared expert forks."""
     from dsv4_moe import _explain, layers
 
@@ -368,7 +367,7 @@ def test_shared_fork_switch(monkeypatch):
                     num_hidden_layers=2, num_hash_layers=0, vocab_size=64)
     layer = DeepseekV4MoE(cfg, random_layer_weights(cfg, layer_idx=1, seed=1))
     assert [layer._shared_fork(t) for t in (1, 2, 8, 16)] == ["align", "front", "front", "front"]
-    for point in ("start", "logits", "front", "align"):
+    for point in ("logits", "front", "align"):
         monkeypatch.setattr(layers, "SHARED_FORK", point)
         assert layer._shared_fork(1) == point == layer._shared_fork(16)
     monkeypatch.setattr(layers, "SHARED_FORK", True)
@@ -387,8 +386,9 @@ def test_shared_fork_switch(monkeypatch):
                                                     "(fp8_block_gemm.MID_M_MAX_N)")
     monkeypatch.setattr(layers, "SHARED_FORK", "logits")
     assert "forked after the router's logits launch" in _explain.shared_line(layer, 2)
-    monkeypatch.setattr(layers, "SHARED_FORK", "start")
-    assert "forked before the router, quantising x on its own stream" in _explain.shared_line(layer, 2)
+    monkeypatch.setattr(layers, "SHARED_FORK", "start")  # measured slower in session 50, removed
+    with pytest.raises(ValueError, match="SHARED_FORK='start': expected 'auto' or one of"):
+        layer._shared_fork(1)
     monkeypatch.setattr(layers, "SHARED_FORK", "gate_up")  # measured slower in session 32, removed
     with pytest.raises(ValueError, match="SHARED_FORK='gate_up': expected 'auto' or one of"):
         layer._shared_fork(1)
@@ -397,7 +397,7 @@ def test_shared_fork_switch(monkeypatch):
         cfg.replace(moe_intermediate_size=384), layer_idx=1, seed=1))
     monkeypatch.setattr(pro, "shared_overlap", lambda t: (True, "on a side stream"))
     forks = [pro._shared_fork(t) for t in (1, 2, 3, 4, 8, 9)]
-    assert forks == ["front", "logits", "front", "logits", "logits", "front"]
+    assert forks == ["logits", "logits", "front", "logits", "logits", "front"]
     assert "forked after the router's logits launch (on the quant_in_logits front; else after the front) " \
            "(T = 2, I = 384: shared expert forked after the router's logits launch" in _explain.shared_line(pro, 2)
 
