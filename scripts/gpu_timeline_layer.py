@@ -70,10 +70,11 @@ def events_period_us(g, inner: int, replays: int, repeats: int = 3) -> float:
     return statistics.median(ts)
 
 
-def bench_timing_us(sets, x, ids, repeats=(1, 3)) -> dict:
+def bench_timing_us(sets, x, ids, repeats=(1, 4)) -> dict:
     """The same forwards timed by the layer bench's own harness (dsv4_moe.bench.timing.time_sets,
     one chained graph, as `bench_layer.py --graph-chain` does), with the rotation's forwards once
-    (the bench's graph) and `repeats` times over in one graph: {repeat: us per forward}. If the time
+    (the bench's graph before session 50) and `repeats` times over in one graph (4 x 16: the bench's
+    graph since): {repeat: us per forward}. If the time
     per forward falls with the graph's length, a cost paid once per replay is spread over the forwards."""
     from dsv4_moe.bench.timing import time_sets
     layers = sets if isinstance(sets, list) else [sets]
@@ -84,7 +85,8 @@ def bench_timing_us(sets, x, ids, repeats=(1, 3)) -> dict:
     for rep in repeats:
         fns = [(lambda L=layers[j % len(layers)], xx=xs[j % len(xs)], ii=idss[j % len(xs)]: L(xx, ii))
                for j in range(n * rep)]
-        out[rep] = time_sets(fns, device="cuda", graphs=True, chain=True, max_inner=200).median_us
+        # chain_min_calls=1: exactly these calls in the graph (the bench itself now repeats to >= 64)
+        out[rep] = time_sets(fns, device="cuda", graphs=True, chain=True, max_inner=200, chain_min_calls=1).median_us
     return out
 
 
