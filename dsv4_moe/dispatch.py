@@ -283,17 +283,18 @@ def shared_fork_policy(num_tokens: int, intermediate: int) -> tuple[str, str]:
     # much, so session 30's reading (the shared GEMMs hold the SMs the top-k needs) is not the cause.
     # The profiler's timeline put the logits fork 2 us ahead at Pro-TP8 T = 1 (BENCHMARKS session 49 item 3).
     # NOTE (session 50, BENCHMARKS.md session 50; docs/bench/2026-12-02/session50/): that disagreement was
-    # the bench's graph, not the profiler or the rotation. One chained graph of the 16-call rotation carries
-    # a replay cost that depends on the streams (same layers, us per call, 16 / 48 calls per graph: Pro-TP8
-    # T=1 logits 35.0 / 31.9, default 31.4 / 32.2; Flash T=1 logits 56.8 / 53.5, default 53.5 / 51.4), and
-    # at 48 calls the bench's harness agrees with CUDA events within 0.3 us. The bench now chains >= 64
-    # calls (dsv4_moe.bench.timing.CHAIN_MIN_CALLS). Through it (gpu_ab_layer.py, 2 alternating runs, us,
-    # front / logits / align): Pro-TP8 T=1 32.2 / 31.2 / 32.8, T=2 43.8 / 41.8 / 42.4, T=4 66.5 / 62.0 /
-    # 66.7, T=8 91.5 / 91.5 / 113.0; Flash T=1 51.5 / 53.0 / 51.4, T=2 75.6 / 85.2 / 75.5. So Pro-shaped
-    # T = 1 now forks after the logits too; Flash keeps its points. A fork before the router (the side
-    # stream quantising x itself with the act_quant stage, session 49's "start") lost in both tools:
-    # bench (16-call graphs) Pro-TP8 T=1 33.6 / 31.3, T=4 77.6 / 64.4, Flash T=1 54.5 / 53.8; events (48-call
-    # graphs) Pro-TP8 T=1 32.8 / 32.0, T=4 68.7 / 62.6 - its act_quant launch and the shared GEMMs share
+    # the bench's graph, not the profiler or the rotation: the time per call depends on how many calls the
+    # graph holds, by an amount that depends on the streams (same layers, us per call, 16 / 48 calls per
+    # graph: Pro-TP8 T=1 logits 35.0 / 31.9, default 31.4 / 32.2; Flash T=1 logits 56.8 / 53.5, default
+    # 53.5 / 51.4), and at 48 calls the bench's harness agrees with CUDA events within 0.3 us. The bench
+    # now chains >= 64 calls (dsv4_moe.bench.timing.CHAIN_MIN_CALLS). Through it (gpu_ab_layer.py, 2
+    # alternating runs, us, front / logits / align): Pro-TP8 T=1 32.2 / 31.2 / 32.8, T=2 43.8 / 41.8 /
+    # 42.4, T=4 66.5 / 62.0 / 66.7, T=8 91.5 / 91.5 / 113.0; Flash T=1 51.5 / 53.0 / 51.4, T=2 75.6 / 85.2
+    # / 75.5. So Pro-shaped T = 1 now forks after the logits too; Flash keeps its points. A fork before
+    # the router (the side stream quantising x itself with the act_quant stage, session 49's "start")
+    # lost in both tools:
+    # bench (16-call graphs) Pro-TP8 T=1 33.6 / 31.3, T=4 77.6 / 64.4, Flash T=1 54.5 / 53.8; events
+    # (48-call graphs) Pro-TP8 T=1 32.8 / 32.0, T=4 68.7 / 62.6 - its act_quant launch and the shared GEMMs share
     # the SMs with the router's logits (9.2 us instead of 6.9 at T=4). Removed.
     if 0 < intermediate <= 384 and 64 <= num_tokens <= 128:  # measured at I = 384 (narrower: fewer tiles still)
         return "align", (f"T = {num_tokens}, I = {intermediate}: shared expert forked after the routed alignment's "

@@ -75,7 +75,8 @@ def bench_timing_us(sets, x, ids, repeats=(1, 4)) -> dict:
     one chained graph, as `bench_layer.py --graph-chain` does), with the rotation's forwards once
     (the bench's graph before session 50) and `repeats` times over in one graph (4 x 16: the bench's
     graph since): {repeat: us per forward}. If the time
-    per forward falls with the graph's length, a cost paid once per replay is spread over the forwards."""
+    per forward moves with the graph's length, the bench's figure depends on it (session 50: in either
+    direction, by up to 3.5 us at T = 1)."""
     from dsv4_moe.bench.timing import time_sets
     layers = sets if isinstance(sets, list) else [sets]
     xs = x if isinstance(x, list) else [x]

@@ -293,8 +293,8 @@ def test_time_sets_cpu_median_and_rotation():
 
 def test_chain_repeats():
     """The chained graph's rotation repeats until it holds CHAIN_MIN_CALLS calls (a model's graph holds
-    43-61 MoE layers; session 50 measured a replay's own cost of tens of us spread over a 16-call
-    chain), but never past CHAIN_MAX_MS of device time per replay, and at least once."""
+    43-61 MoE layers; session 50 measured the time per call moving by up to 3.5 us at T = 1 between
+    16- and 48-call graphs), but never past CHAIN_MAX_MS of device time per replay, and at least once."""
     from dsv4_moe.bench.timing import CHAIN_MAX_MS, CHAIN_MIN_CALLS, chain_repeats
     assert CHAIN_MIN_CALLS == 64
     assert chain_repeats(16, 0.5) == 4            # Pro-TP8 T = 1: 16 calls of ~31 us -> 64 calls, ~2 ms

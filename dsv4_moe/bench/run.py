@@ -90,8 +90,9 @@ def build_parser(prog: str = "python -m dsv4_moe bench") -> argparse.ArgumentPar
                           "two calls; the time is still per call. Default: one graph per call")
     run.add_argument("--graph-chain-min-calls", type=int, default=CHAIN_MIN_CALLS,
                      help="with --graph-chain: repeat the rotation in the graph until it holds this many calls "
-                          f"(while one replay stays under {CHAIN_MAX_MS:g} ms), so a replay's own cost is spread "
-                          "as over a model's layers (session 50); 1: the rotation once (sessions <= 49)")
+                          f"(while one replay stays under {CHAIN_MAX_MS:g} ms), about a model's number of MoE layers: "
+                          "the time per call depends on the graph's length (session 50); 1: the rotation once "
+                          "(sessions <= 49)")
     run.add_argument("--routed-layout", choices=("auto", "nk", "mma64", "mma64e"), default="auto",
                      help="byte order of this package's routed weights (DeepseekV4MoE routed_layout; 'auto' "
                           "takes 'mma64e' on CUDA, 'mma64' is its same-bits A/B twin)")

@@ -57,16 +57,17 @@ class Timing:
                 "calls_per_batch": self.calls_per_batch, "graph_calls": self.graph_calls}
 
 
-# NOTE (session 50, H200, BENCHMARKS.md session 50): a graph replay carries a cost of its own that
-# the profiler's timeline does not show as idle time (1.8-2.4 us between replays) and that depends
-# on the graph's streams: the same layers timed per call in one chained graph of the 16-call
-# rotation and of that rotation three times over (48 calls) read Flash T = 1 53.5 / 51.4 us, the
-# shared expert forked after the logits 56.8 / 53.5, Pro-TP8 T = 1 with that fork 35.0 / 31.9, its
-# default 31.4 / 32.2, T = 4 with the fork before the router 78.8 / 71.4 - tens of us per replay
-# (up to ~180) spread over 16 calls. A model's graph spreads it over all its layers, so the chain
-# now holds at least CHAIN_MIN_CALLS calls (Pro has 61 MoE layers, Flash 43).
+# NOTE (session 50, H200, BENCHMARKS.md session 50): the time per call depends on how many calls the
+# chained graph holds, in either direction and by an amount that depends on the streams. The same
+# layers in one graph of the 16-call rotation and of that rotation three times over (48 calls), us per
+# call: Flash T = 1 53.5 / 51.4, with the shared expert forked after the logits 56.8 / 53.5; Pro-TP8
+# T = 1 31.4 / 32.2, with that fork 35.0 / 31.9; T = 4 65.3 / 63.3, with a fork before the router
+# 78.8 / 71.4. The idle time between replays is 1.8-2.4 us. From 48 calls on the figures agree with
+# CUDA events over a 48-call graph (within 0.3 us at T = 1) and with 64-call graphs (within 0.7), and
+# a model's decode graph holds 43 (Flash) or 61 (Pro) MoE layers, so the chain now holds at least
+# CHAIN_MIN_CALLS calls. The mechanism was not found (DESIGN.md, leads left by session 50).
 CHAIN_MIN_CALLS = 64
-CHAIN_MAX_MS = 50.0  # no repeat beyond this much device time per replay (large T: the cost is noise there)
+CHAIN_MAX_MS = 50.0  # no repeat beyond this much device time per replay (large T: a few calls already take long)
 
 
 def chain_repeats(n_calls: int, replay_ms: float, min_calls: int = CHAIN_MIN_CALLS,
