@@ -165,18 +165,19 @@ def forward_table(evs, inner: int, replays: int):
     return (table, summary), ""
 
 
-def build_sets(cfg, rotation: str, n: int, device: str = "cuda") -> list:
+def build_sets(cfg, rotation: str, n: int, device: str = "cuda", overlap_shared="auto") -> list:
     """The layers a graph's forwards take in turn: n whole layers (rotation "layers", seeds 0..n-1), or
     the layer bench's n layers over one set of routed experts in the layout the layer picks, each with
-    its own router and shared tensors (rotation "bench")."""
+    its own router and shared tensors (rotation "bench"); `overlap_shared` as DeepseekV4MoE's."""
     if rotation == "layers":
-        return [DeepseekV4MoE(cfg, random_layer_weights(cfg, layer_idx=5, seed=s, device=device)) for s in range(n)]
+        return [DeepseekV4MoE(cfg, random_layer_weights(cfg, layer_idx=5, seed=s, device=device),
+                              overlap_shared=overlap_shared) for s in range(n)]
     from dsv4_moe.bench.sweep import weight_copies
     from dsv4_moe.layers import choose_routed_layout
     w = random_layer_weights(cfg, layer_idx=5, seed=0, device=device)
     layout, _ = choose_routed_layout(w.routed, "auto")
     w = dataclasses.replace(w, routed=w.routed.with_layout(layout))
-    return [DeepseekV4MoE(cfg, wc) for wc in weight_copies(w, n)]
+    return [DeepseekV4MoE(cfg, wc, overlap_shared=overlap_shared) for wc in weight_copies(w, n)]
 
 
 def main():

@@ -170,3 +170,26 @@ def test_ab_layer_driver_parts():
         ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
     lines = ab.table({"a": {1: [2.0, 1.0, 3.0]}})
     assert lines[1].split()[:3] == ["a", "1", "2.0"]
+
+
+def test_graph_length_probe_parts():
+    """gpu_probe_graph_length.py (session 50): the rotation repeated k times in graph order (forward j:
+    layer j % layers, input j % inputs), the lengths alternating by round, the flags' values checked
+    with the flag named, and one table row per case with a column per forwards-per-graph."""
+    import gpu_probe_graph_length as pgl
+
+    calls = []
+    layers = [lambda x, i, n=n: calls.append((n, x, i)) for n in range(4)]
+    fns = pgl.rotation_calls(layers, ["x0", "x1"], ["i0", "i1"], 2)
+    assert len(fns) == 8
+    for f in fns:
+        f()
+    assert calls == [(0, "x0", "i0"), (1, "x1", "i1"), (2, "x0", "i0"), (3, "x1", "i1")] * 2
+    assert [pgl.order([1, 2, 4], r) for r in range(4)] == [[1, 2, 4], [2, 4, 1], [4, 1, 2], [1, 2, 4]]
+    assert pgl.parse_ints("1,3,2", "--lengths") == [1, 3, 2]
+    for bad in ("0,1", "1,1", "a", ""):
+        with pytest.raises(SystemExit, match="--lengths="):
+            pgl.parse_ints(bad, "--lengths")
+    lines = pgl.table({("flash", 1, "stream"): {1: [53.0, 54.0, 55.0], 3: [51.0]}}, 16, [1, 3, 4])
+    assert lines[1].split() == ["case", "16", "48", "64"]
+    assert lines[2].split() == ["flash", "T=1", "stream", "54.0", "51.0", "-"]
