@@ -29,9 +29,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_timeline_layer import _apply_sets, build_sets  # noqa: E402
-
-from dsv4_moe import MoEConfig  # noqa: E402
+from gpu_timeline_layer import _apply_sets, build_sets, preset_config  # noqa: E402
 
 MODES = {"stream": "auto", "inline": False}
 
@@ -91,17 +89,15 @@ def main():
     for flag, v in (("--weight-sets", args.weight_sets), ("--input-sets", args.input_sets), ("--rounds", args.rounds)):
         if v < 1:
             raise SystemExit(f"{flag}={v}: expected >= 1")
+    cfgs = {name: preset_config(name) for name in args.presets.split(",")}
     _apply_sets(args.set)
     from dsv4_moe.bench.timing import time_sets
 
     out = os.environ.get("OUT", "./out")
     os.makedirs(out, exist_ok=True)
-    cfgs = {"flash": MoEConfig.flash(),
-            "pro-tp8": MoEConfig.pro().replace(moe_intermediate_size=384, name="pro-tp8-rank")}
     results = {}
     n = max(args.weight_sets, args.input_sets)
-    for name in args.presets.split(","):
-        cfg = cfgs[name]
+    for name, cfg in cfgs.items():
         for mode in modes:
             layers = build_sets(cfg, "bench", args.weight_sets, overlap_shared=MODES[mode])
             for t in tokens:

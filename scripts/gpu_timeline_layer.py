@@ -165,6 +165,18 @@ def forward_table(evs, inner: int, replays: int):
     return (table, summary), ""
 
 
+PRESETS = ("flash", "pro-tp8")
+
+
+def preset_config(name: str) -> MoEConfig:
+    """The configs these tools time: "flash", or "pro-tp8" (V4-Pro with its per-rank width at TP8, 384)."""
+    if name == "flash":
+        return MoEConfig.flash()
+    if name == "pro-tp8":
+        return MoEConfig.pro().replace(moe_intermediate_size=384, name="pro-tp8-rank")
+    raise SystemExit(f"--presets: unknown preset {name!r}; expected any of {','.join(PRESETS)}")
+
+
 def build_sets(cfg, rotation: str, n: int, device: str = "cuda", overlap_shared="auto") -> list:
     """The layers a graph's forwards take in turn: n whole layers (rotation "layers", seeds 0..n-1), or
     the layer bench's n layers over one set of routed experts in the layout the layer picks, each with
@@ -196,13 +208,11 @@ def main():
     if args.weight_sets < 1 or args.input_sets < 1:
         raise SystemExit(f"--weight-sets={args.weight_sets}, --input-sets={args.input_sets}: expected >= 1")
     _apply_sets(args.set)
+    cfgs = {name: preset_config(name) for name in args.presets.split(",")}
     out = os.environ.get("OUT", "./out")
     os.makedirs(out, exist_ok=True)
-    cfgs = {"flash": MoEConfig.flash(),
-            "pro-tp8": MoEConfig.pro().replace(moe_intermediate_size=384, name="pro-tp8-rank")}
     lines, js = [], []
-    for name in args.presets.split(","):
-        cfg = cfgs[name]
+    for name, cfg in cfgs.items():
         sets = build_sets(cfg, args.rotation, args.weight_sets)
         inner = 3 * len(sets)
         n_x = args.input_sets if args.rotation == "bench" else 1

@@ -190,6 +190,10 @@ def test_graph_length_probe_parts():
     for bad in ("0,1", "1,1", "a", ""):
         with pytest.raises(SystemExit, match="--lengths="):
             pgl.parse_ints(bad, "--lengths")
+    from gpu_timeline_layer import preset_config
+    assert preset_config("pro-tp8").moe_intermediate_size == 384 and preset_config("flash").hidden_size == 4096
+    with pytest.raises(SystemExit, match="unknown preset 'pro'"):
+        preset_config("pro")
     lines = pgl.table({("flash", 1, "stream"): {1: [53.0, 54.0, 55.0], 3: [51.0]}}, 16, [1, 3, 4])
     assert lines[1].split() == ["case", "16", "48", "64"]
     assert lines[2].split() == ["flash", "T=1", "stream", "54.0", "51.0", "-"]
