@@ -71,12 +71,30 @@ def order(labels: list[str], rnd: int) -> list[str]:
     return labels[r:] + labels[:r]
 
 
-def table(results: dict[str, dict[int, list[float]]]) -> list[str]:
-    lines = [f"{'case':<24s} {'T':>5s} {'median us':>10s}  runs"]
+def run_facts(path: str) -> dict[int, dict]:
+    """{T: {"MB": unique megabytes a forward moves, "graph_calls": forwards per graph}} from one bench
+    run's JSON (the default path's layer rows); {} when the file is missing or has no such rows."""
+    try:
+        with open(path) as f:
+            rows = json.load(f).get("rows", [])
+    except (OSError, ValueError):
+        return {}
+    return {r["T"]: {"MB": r.get("MB"), "graph_calls": r.get("graph_calls")} for r in rows
+            if isinstance(r, dict) and r.get("case") == "layer default" and r.get("status") == "ok"}
+
+
+def table(results: dict[str, dict[int, list[float]]], facts: dict | None = None) -> list[str]:
+    """Per case and T: the median µs, TB/s of the bench's unique bytes at that median (`facts[label][T]
+    ["MB"]`, '-' if unknown) and every run's µs."""
+    facts = facts or {}
+    lines = [f"{'case':<24s} {'T':>5s} {'median us':>10s} {'TB/s':>6s}  runs"]
     for label, by_t in results.items():
         for t in sorted(by_t):
             v = by_t[t]
-            lines.append(f"{label:<24s} {t:5d} {statistics.median(v):10.1f}  " + ", ".join(f"{x:.1f}" for x in v))
+            med = statistics.median(v)
+            mb = facts.get(label, {}).get(t, {}).get("MB")
+            tbs = f"{mb / med:6.2f}" if mb else f"{'-':>6s}"
+            lines.append(f"{label:<24s} {t:5d} {med:10.1f} {tbs}  " + ", ".join(f"{x:.1f}" for x in v))
     return lines
 
 
@@ -99,15 +117,16 @@ def main() -> None:
     os.makedirs(os.path.join(out, f"ab_{args.tag}"), exist_ok=True)
     log = open(os.path.join(out, f"ab_{args.tag}.log"), "w")
     results: dict[str, dict[int, list[float]]] = {label: {} for label in cases}
+    facts: dict[str, dict[int, dict]] = {label: {} for label in cases}
     t0, longest, stopped = time.time(), 0.0, ""
     for rnd in range(args.rounds):
         for label in order(list(cases), rnd):
             if time.time() - t0 + longest > args.budget_s:
                 stopped = f"stopped by --budget-s {args.budget_s:g} in round {rnd + 1} before {label}"
                 break
+            run_json = os.path.join(out, f"ab_{args.tag}", f"{label}_{rnd + 1}.json")
             cmd = BENCH + shlex.split(args.base) + cases[label] + [
-                "--budget-s", str(args.bench_budget_s),
-                "--json", os.path.join(out, f"ab_{args.tag}", f"{label}_{rnd + 1}.json")]
+                "--budget-s", str(args.bench_budget_s), "--json", run_json]
             s = time.time()
             p = subprocess.run(cmd, capture_output=True, text=True)
             longest = max(longest, time.time() - s)
@@ -121,19 +140,24 @@ def main() -> None:
                 continue
             for t, us in rows.items():
                 results[label].setdefault(t, []).append(us)
+            facts[label].update(run_facts(run_json))
             skipped = "".join(f"; T={t} skipped ({why})" for t, why in sorted(parse_skipped(p.stdout).items()))
             print(f"{label} round {rnd + 1}: " + ", ".join(f"T={t} {us:.1f}" for t, us in sorted(rows.items()))
                   + skipped, flush=True)
         if stopped:
             break
     lines = [f"# gpu_ab_layer.py --base {args.base!r}"] + [f"#   {k} = {shlex.join(v)}" for k, v in cases.items()]
-    lines += table(results) + ([f"# {stopped}"] if stopped else [])
+    calls = sorted({f.get("graph_calls") for d in facts.values() for f in d.values() if f.get("graph_calls")})
+    if calls:
+        lines.append(f"# forwards per graph: {', '.join(map(str, calls))}")
+    lines += table(results, facts) + ([f"# {stopped}"] if stopped else [])
     print("\n".join(lines), flush=True)
     with open(os.path.join(out, f"ab_{args.tag}.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(out, f"ab_{args.tag}.json"), "w") as f:
         json.dump({"base": args.base, "cases": {k: shlex.join(v) for k, v in cases.items()},
                    "us": {k: {str(t): v for t, v in d.items()} for k, d in results.items()},
+                   "facts": {k: {str(t): v for t, v in d.items()} for k, d in facts.items()},
                    "stopped": stopped}, f, indent=1)
 
 

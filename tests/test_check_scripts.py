@@ -169,7 +169,9 @@ def test_ab_layer_driver_parts():
     assert [ab.order(["a", "b", "c"], r) for r in range(4)] == [
         ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
     lines = ab.table({"a": {1: [2.0, 1.0, 3.0]}})
-    assert lines[1].split()[:3] == ["a", "1", "2.0"]
+    assert lines[1].split()[:4] == ["a", "1", "2.0", "-"]
+    lines = ab.table({"a": {1: [2.0, 1.0, 3.0]}}, {"a": {1: {"MB": 5.0, "graph_calls": 64}}})
+    assert lines[1].split() == ["a", "1", "2.0", "2.50", "2.0,", "1.0,", "3.0"]   # 5 MB in 2 us
 
 
 def test_graph_length_probe_parts():
@@ -197,3 +199,21 @@ def test_graph_length_probe_parts():
     lines = pgl.table({("flash", 1, "stream"): {1: [53.0, 54.0, 55.0], 3: [51.0]}}, 16, [1, 3, 4])
     assert lines[1].split() == ["case", "16", "48", "64"]
     assert lines[2].split() == ["flash", "T=1", "stream", "54.0", "51.0", "-"]
+
+
+def test_ab_layer_run_facts(tmp_path):
+    """gpu_ab_layer.run_facts: the bytes and the graph length of the default path's ok layer rows of one
+    bench JSON; a missing or unreadable file gives {} (the run's µs still count)."""
+    import json
+
+    import gpu_ab_layer as ab
+
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"rows": [
+        {"case": "layer default", "status": "ok", "T": 1, "MB": 40.11, "graph_calls": 64},
+        {"case": "layer default", "status": "skipped", "T": 4},
+        {"case": "layer unfused", "status": "ok", "T": 1, "MB": 1.0, "graph_calls": 64}]}))
+    assert ab.run_facts(str(path)) == {1: {"MB": 40.11, "graph_calls": 64}}
+    assert ab.run_facts(str(tmp_path / "missing.json")) == {}
+    (tmp_path / "bad.json").write_text("{not json")
+    assert ab.run_facts(str(tmp_path / "bad.json")) == {}
