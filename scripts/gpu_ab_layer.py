@@ -104,7 +104,8 @@ def main() -> None:
     ap.add_argument("--case", action="append", required=True, help="LABEL=ARGS (repeatable; ARGS may be empty)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--budget-s", type=float, default=300.0, help="no run starts that would end past this")
-    ap.add_argument("--bench-budget-s", type=float, default=15.0, help="the bench's own --budget-s per run")
+    ap.add_argument("--bench-budget-s", type=float, default=60.0,
+                    help="the bench's own --budget-s per run (15 until session 50; 64-forward graphs take longer)")
     ap.add_argument("--tag", default="ab")
     args = ap.parse_args()
     if args.rounds < 1:
