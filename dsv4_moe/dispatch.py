@@ -296,11 +296,23 @@ def shared_fork_policy(num_tokens: int, intermediate: int) -> tuple[str, str]:
     # bench (16-call graphs) Pro-TP8 T=1 33.6 / 31.3, T=4 77.6 / 64.4, Flash T=1 54.5 / 53.8; events
     # (48-call graphs) Pro-TP8 T=1 32.8 / 32.0, T=4 68.7 / 62.6 - its act_quant launch and the shared GEMMs share
     # the SMs with the router's logits (9.2 us instead of 6.9 at T=4). Removed.
+    # NOTE (session 51, gpu_ab_layer.py, 64-forward graphs, 2 alternating runs each, us, BENCHMARKS.md
+    # session 51; docs/bench/2026-12-02/session51/): Flash (I = 2048), front (the rule then) / align: T=2
+    # 75.3 / 75.8, T=3 107.0 / 105.6, T=4 126.0 / 121.9, T=5 142.1 / 140.9, T=6 160.2 / 158.6, T=7 181.4 /
+    # 182.9, T=8 198.2 / 199.0 (T = 3, 4, 8 the front also read 107.1, 126.0, 197.7 forced). So the
+    # Flash-shaped layer forks after the alignment at T = 3-6 too; the rule's run (rule / front): T=3
+    # 105.0 / 107.4, T=4 121.6 / 126.4, T=5 140.8 / 142.8, T=6 158.6 / 160.8, T=2 75.4 / 75.5, T=7 182.2 /
+    # 181.7. (Session 27's "no pattern" was measured in 12-forward graphs; in one stream the time per
+    # forward does not move with the graph's length, with the side stream it does - session 51's
+    # gpu_probe_graph_length.py.) Pro-TP8 (I = 384) T = 9-16 keeps the front: front / logits / align
+    # T=9 97.5 / 103.1 / 115.5, T=10 103.2 / 110.9 / 120.4, T=12 116.9 / 127.0 / 131.2, T=16 137.6 /
+    # 170.1 / 136.9.
     if 0 < intermediate <= 384 and 64 <= num_tokens <= 128:  # measured at I = 384 (narrower: fewer tiles still)
         return "align", (f"T = {num_tokens}, I = {intermediate}: shared expert forked after the routed alignment's "
                          f"launch (measured faster on the H200 at I = 384)")
-    if intermediate >= 2048 and num_tokens == 1:
-        return "align", f"T = 1, I = {intermediate}: shared expert forked after the routed alignment's launch"
+    if intermediate >= 2048 and (num_tokens == 1 or 3 <= num_tokens <= 6):
+        return "align", (f"T = {num_tokens}, I = {intermediate}: shared expert forked after the routed alignment's "
+                         f"launch (measured faster on the H200)")
     if 0 < intermediate < 2048 and (num_tokens <= 2 or 4 <= num_tokens <= 8):
         return "logits", (f"T = {num_tokens}, I = {intermediate}: shared expert forked after the router's logits "
                           f"launch (measured faster on the H200)")

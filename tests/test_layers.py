@@ -336,7 +336,7 @@ def test_shared_overlap_policy_rule():
     0.5-8 routed rows per expert (measured 4-10 % faster there on the H200), overlapped at
     other decode sizes (T = 2 again since session 28), above the band and for Pro-TP8's
     I/tp = 384 at every T (its session-22 in-line band at T = 3-4 measured slower in session 27);
-    dispatch.shared_fork_policy: the fork after the routed alignment at Flash-shaped T = 1, after the
+    dispatch.shared_fork_policy: the fork after the routed alignment at Flash-shaped T = 1 and 3-6 (session 51), after the
     router's logits at Pro-shaped T = 1-2 and 4-8 (sessions 30, 50), else after the front;
     dispatch.shared_split_policy: unsplit shared GEMMs at Flash-shaped T = 2-4 only."""
     from dsv4_moe import dispatch
@@ -351,8 +351,8 @@ def test_shared_overlap_policy_rule():
     assert all(dispatch.shared_overlap_policy(t, **pro)[0] for t in (1, 2, 3, 4, 5, 16, 64, 256, 1024, 8192))
     ov, why = dispatch.shared_overlap_policy(64, **flash)
     assert not ov and "1.50 routed rows per expert" in why and "I = 2048" in why
-    assert [dispatch.shared_fork_policy(t, 2048)[0] for t in (1, 2, 8, 12, 16)] == \
-        ["align", "front", "front", "front", "front"]
+    assert [dispatch.shared_fork_policy(t, 2048)[0] for t in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)] == \
+        ["align", "front", "align", "align", "align", "align", "front", "front", "front", "front"]
     assert [dispatch.shared_fork_policy(t, 384)[0] for t in (1, 2, 3, 4, 8, 9, 16, 63, 64, 128, 129)] == \
         ["logits", "logits", "front", "logits", "logits", "front", "front", "front", "align", "align", "front"]
     assert [dispatch.shared_fork_policy(t, i)[0] for t in (64, 128) for i in (768, 2048)] == ["front"] * 4
