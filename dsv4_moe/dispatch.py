@@ -351,7 +351,15 @@ def shared_prefetch_policy(num_tokens: int, intermediate: int, fork: "str | None
     # 262.3, T=48 324.9 / 324.9 / 321.9, T=64 361.8 / 362.8 / 363.1, T=96 460.4 / 463.5 / 462.5, T=128
     # 499.9 (a second default run) / 501.1 / 499.8: level, so off there too. The shared gate_up's 12
     # programs at these T are not helped by L2-resident weights inside the layer.
-    if fork == "front" and 0 < intermediate < 2048 and num_tokens == 3:
+    # NOTE (session 51, gpu_ab_layer.py, 64-forward graphs, 2 alternating runs each, us; BENCHMARKS.md
+    # session 51, docs/bench/2026-12-02/session51/): Pro-TP8 (I = 384) the rule then (off) / logits / shared
+    # split-K target 0 / 2 per SM: T=9 97.6 / 95.9 / 97.4 / 98.0, T=10 103.2 / 102.1 / 103.3 / 103.5, T=12
+    # 116.8 / 116.0 / 117.1 / 117.1; T = 3, 5, 6 (off / logits, the rule's picks logits / off / off held):
+    # 59.3 / 56.0, 69.6 / 69.7, 76.7 / 77.1. With the prefetch at T = 9-16 (rule / off): T=9 96.1 / 98.0,
+    # T=10 102.3 / 103.3, T=11 109.5 / 110.5, T=12 116.4 / 116.8, T=13 124.9 / 125.9, T=14 129.3 / 129.2,
+    # T=15 135.2 / 136.1, T=16 136.8 / 137.7. Flash T=1 / 2 with the prefetch at logits: 53.4 / 80.3
+    # against 51.5 / 75.4 (it forks after the alignment / the front there: off).
+    if fork == "front" and 0 < intermediate < 2048 and (num_tokens == 3 or 9 <= num_tokens <= 16):
         return "logits", (f"T = {num_tokens}, I = {intermediate}, shared expert forked after the front: its weights "
                           f"prefetched during the router's top-k and alignment (measured faster on the H200)")
     if fork is None:

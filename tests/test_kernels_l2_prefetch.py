@@ -41,9 +41,12 @@ def test_bad_options_are_named(monkeypatch):
 def test_policy_prefetches_only_where_measured():
     pol = dispatch.shared_prefetch_policy
     assert pol(3, 384, "front")[0] == "logits" and "measured faster" in pol(3, 384, "front")[1]
+    # Pro-shaped T = 9-16 with the fork after the front (session 51)
+    assert [pol(t, 384, "front")[0] for t in (8, 9, 12, 16, 17)] == ["off", "logits", "logits", "logits", "off"]
     # Flash-shaped, other T, other fork points, in line: off (measured level or slower)
     assert [pol(t, i, f)[0] for t, i, f in [(3, 2048, "front"), (1, 384, "front"), (2, 384, "logits"),
-                                            (4, 384, "logits"), (16, 384, "front"), (3, 384, None)]] == ["off"] * 6
+                                            (4, 384, "logits"), (12, 2048, "front"), (12, 384, "align"),
+                                            (32, 384, "front"), (3, 384, None)]] == ["off"] * 8
     assert pol(3, 384, None)[1] == "shared expert in line"
 
 
