@@ -1,7 +1,8 @@
 """How the layer's time per forward depends on the length of the CUDA graph it is timed in (H200 tool).
 
     OUT=./out python3 scripts/gpu_probe_graph_length.py [--presets pro-tp8,flash] [--tokens 1,4]
-        [--lengths 1,2,3,4,6] [--modes stream,inline] [--rounds 2] [--set MODULE.ATTR=V] [--tag TAG]
+        [--lengths 1,2,3,4,6] [--modes stream,inline] [--rounds 2] [--between-bytes N] [--set MODULE.ATTR=V]
+        [--tag TAG]
 
 Session 50 found that the layer bench's figure moves with the number of forwards its chained graph
 holds: the same layers read up to 3.5 µs per forward apart at T = 1 between 16 and 48 forwards, in
@@ -14,7 +15,14 @@ of the rotation repeated k times for every k in `--lengths`, the lengths alterna
 
 Modes: "stream" builds the layers as the policy does (the shared expert on its side stream where the
 policy puts it); "inline" builds them with `overlap_shared=False`, one stream. If the length
-dependence goes away in line, the graph's multi-stream structure is what moves it.
+dependence goes away in line, the graph's multi-stream structure is what moves it. Session 51 ran it:
+flat within 0.3 µs in line, 2.8-7.1 µs from 16 to 96 forwards with the side stream (BENCHMARKS.md
+session 51 item 2).
+
+`--between-bytes N` (session 51's lead (a)): a model's graph has attention between its MoE layers, on
+one stream. With N > 0 every forward is followed, on the main stream, by a device copy of N bytes (a
+stand-in for that work), and the same number of copies alone is timed in a graph of the same length;
+the table gives the forward's time net of the copy (with - alone), the JSON both.
 
 Writes $OUT/probe_graph_length[_TAG].txt and .json: µs per forward by graph length (forwards per graph).
 """
@@ -45,12 +53,30 @@ def parse_ints(text: str, flag: str) -> list[int]:
     return vals
 
 
-def rotation_calls(layers: list, xs: list, ids: list, repeats: int) -> list:
+def rotation_calls(layers: list, xs: list, ids: list, repeats: int, between=None) -> list:
     """The rotation's forwards (forward j: layer j % len(layers), input j % len(xs)) `repeats` times over,
-    as zero-argument callables in graph order."""
+    as zero-argument callables in graph order; with `between`, each call runs between() after its forward."""
     n = max(len(layers), len(xs))
-    return [(lambda L=layers[j % len(layers)], x=xs[j % len(xs)], i=ids[j % len(xs)]: L(x, i))
+
+    def call(L, x, i):
+        out = L(x, i)
+        if between is not None:
+            between()
+        return out
+
+    return [(lambda L=layers[j % len(layers)], x=xs[j % len(xs)], i=ids[j % len(xs)]: call(L, x, i))
             for _ in range(repeats) for j in range(n)]
+
+
+def copy_stand_in(nbytes: int, device: str = "cuda"):
+    """(between, label): a device copy of `nbytes` bytes on the current stream (None, "" when 0)."""
+    if nbytes < 0:
+        raise SystemExit(f"--between-bytes={nbytes}: expected >= 0")
+    if nbytes == 0:
+        return None, ""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return (lambda: dst.copy_(src)), f"net of a {nbytes / 1e6:g} MB copy after every forward"
 
 
 def order(items: list, r: int) -> list:
@@ -59,10 +85,10 @@ def order(items: list, r: int) -> list:
     return items[k:] + items[:k]
 
 
-def table(results: dict, n: int, lengths: list[int]) -> list[str]:
+def table(results: dict, n: int, lengths: list[int], note: str = "") -> list[str]:
     """results[(preset, T, mode)][k] = [us, ...] -> text lines: one row per case, one column per graph length."""
     head = f"{'case':<24}" + "".join(f"{k * n:>10}" for k in lengths)
-    lines = [f"us per forward by forwards per graph (the rotation of {n} forwards repeated)", head]
+    lines = [f"us per forward by forwards per graph (the rotation of {n} forwards repeated{note})", head]
     for (preset, t, mode), by_k in results.items():
         cells = "".join(f"{statistics.median(by_k[k]):>10.1f}" if by_k.get(k) else f"{'-':>10}" for k in lengths)
         lines.append(f"{f'{preset} T={t} {mode}':<24}" + cells)
@@ -78,6 +104,8 @@ def main():
     ap.add_argument("--weight-sets", type=int, default=16)
     ap.add_argument("--input-sets", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--between-bytes", type=int, default=0,
+                    help="a device copy of N bytes on the main stream after every forward (0: none)")
     ap.add_argument("--set", action="append", default=[], help="MODULE.ATTR=V, applied before the layers are built")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
@@ -95,8 +123,11 @@ def main():
 
     out = os.environ.get("OUT", "./out")
     os.makedirs(out, exist_ok=True)
-    results = {}
+    results, alone = {}, {}
     n = max(args.weight_sets, args.input_sets)
+    between, note = copy_stand_in(args.between_bytes)
+    if note:
+        note = ", " + note
     for name, cfg in cfgs.items():
         for mode in modes:
             layers = build_sets(cfg, "bench", args.weight_sets, overlap_shared=MODES[mode])
@@ -109,20 +140,31 @@ def main():
                 by_k = results.setdefault((name, t, mode), {})
                 for r in range(args.rounds):
                     for k in order(lengths, r):
-                        us = time_sets(rotation_calls(layers, xs, ids, k), device="cuda", graphs=True, chain=True,
-                                       chain_min_calls=1).median_us
+                        us = time_sets(rotation_calls(layers, xs, ids, k, between), device="cuda", graphs=True,
+                                       chain=True, chain_min_calls=1).median_us
+                        if between is not None:
+                            cp = time_sets([between] * (k * n), device="cuda", graphs=True, chain=True,
+                                           chain_min_calls=1).median_us
+                            alone.setdefault(k * n, []).append(cp)
+                            print(f"{name} T={t} {mode} round {r + 1}: {k * n} forwards + copies per graph {us:.1f} "
+                                  f"us, copies alone {cp:.1f} us", flush=True)
+                            us -= cp
                         by_k.setdefault(k, []).append(us)
                         print(f"{name} T={t} {mode} round {r + 1}: {k * n} forwards per graph {us:.1f} us",
                               flush=True)
             del layers
             torch.cuda.empty_cache()
-    lines = table(results, n, lengths)
+    lines = table(results, n, lengths, note)
+    if alone:
+        lines.append("copy alone, us per call: " + ", ".join(f"{c} per graph {statistics.median(v):.1f}"
+                                                             for c, v in sorted(alone.items())))
     print("\n".join(lines), flush=True)
     tag = f"_{args.tag}" if args.tag else ""
     with open(os.path.join(out, f"probe_graph_length{tag}.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(out, f"probe_graph_length{tag}.json"), "w") as f:
-        json.dump([dict(preset=p, T=t, mode=m, forwards_per_graph={k * n: v for k, v in by_k.items()}, sets=args.set)
+        json.dump([dict(preset=p, T=t, mode=m, forwards_per_graph={k * n: v for k, v in by_k.items()}, sets=args.set,
+                        between_bytes=args.between_bytes, copy_alone_us={c: v for c, v in alone.items()})
                    for (p, t, m), by_k in results.items()], f, indent=1)
 
 

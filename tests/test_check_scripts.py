@@ -176,8 +176,9 @@ def test_ab_layer_driver_parts():
 
 def test_graph_length_probe_parts():
     """gpu_probe_graph_length.py (session 50): the rotation repeated k times in graph order (forward j:
-    layer j % layers, input j % inputs), the lengths alternating by round, the flags' values checked
-    with the flag named, and one table row per case with a column per forwards-per-graph."""
+    layer j % layers, input j % inputs), with session 51's stand-in after each forward where given, the
+    lengths alternating by round, the flags' values checked with the flag named, and one table row per
+    case with a column per forwards-per-graph."""
     import gpu_probe_graph_length as pgl
 
     calls = []
@@ -187,6 +188,16 @@ def test_graph_length_probe_parts():
     for f in fns:
         f()
     assert calls == [(0, "x0", "i0"), (1, "x1", "i1"), (2, "x0", "i0"), (3, "x1", "i1")] * 2
+    calls.clear()
+    for f in pgl.rotation_calls(layers[:2], ["x0"], ["i0"], 1, between=lambda: calls.append("copy")):
+        f()
+    assert calls == [(0, "x0", "i0"), "copy", (1, "x0", "i0"), "copy"]  # session 51: a stand-in after each forward
+    assert pgl.copy_stand_in(0) == (None, "")
+    with pytest.raises(SystemExit, match="--between-bytes=-1: expected >= 0"):
+        pgl.copy_stand_in(-1)
+    copy, label = pgl.copy_stand_in(4_000_000, device="cpu")
+    assert label == "net of a 4 MB copy after every forward"
+    copy()  # runs: dst.copy_(src) on the device given
     assert [pgl.order([1, 2, 4], r) for r in range(4)] == [[1, 2, 4], [2, 4, 1], [4, 1, 2], [1, 2, 4]]
     assert pgl.parse_ints("1,3,2", "--lengths") == [1, 3, 2]
     for bad in ("0,1", "1,1", "a", ""):
@@ -199,6 +210,8 @@ def test_graph_length_probe_parts():
     lines = pgl.table({("flash", 1, "stream"): {1: [53.0, 54.0, 55.0], 3: [51.0]}}, 16, [1, 3, 4])
     assert lines[1].split() == ["case", "16", "48", "64"]
     assert lines[2].split() == ["flash", "T=1", "stream", "54.0", "51.0", "-"]
+    assert pgl.table({}, 16, [1], ", net of a 4 MB copy after every forward")[0].endswith(
+        "(the rotation of 16 forwards repeated, net of a 4 MB copy after every forward)")
 
 
 def test_ab_layer_run_facts(tmp_path):
